@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install fiberserve with its test dependencies into ./.venv and run the whole suite.
+# Usage: bash scripts/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first, and pinned to the CPU build that lies on this kind of machine:
+# an unpinned torch would pull a multi-GB CUDA build.
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[test]"
+# The SGLang frontend, installed lightly: its own dependencies are the server's, not the client's.
+.venv/bin/python -m pip install -q --no-deps "sglang==0.5.10"
+.venv/bin/ruff check fiberserve tests
+# pytest exits 5 when it collects nothing: that must fail, and it does under set -e.
+exec .venv/bin/python -m pytest -q "$@"
