@@ -1,0 +1,50 @@
+"""One configuration for the engine and one for the server around it, passed down explicitly.
+
+Environment variables are read here and in the CLI only, never deep inside the code.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def default_cache_dir() -> Path:
+    """``$FIBERSERVE_CACHE``, else ``~/.cache/fiberserve``."""
+    env = os.environ.get("FIBERSERVE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "fiberserve"
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs; the server and the offline ``LLM`` build one of these."""
+
+    #: A .gguf file or a Hugging Face directory; None serves the embedded default model.
+    model: str | None = None
+    cache_dir: str = field(default_factory=lambda: str(default_cache_dir()))
+    device: str = "cpu"
+    #: "float32", "bfloat16" or "auto" (bfloat16 where the CPU/GPU computes it natively).
+    dtype: str = "auto"
+    #: Fibers in the pool: flights that may run at once.
+    fibers: int = 1
+    #: Torch threads each fiber's worker uses (None: the machine's cores divided among the fibers).
+    threads_per_fiber: int | None = None
+    isolation: str = "per_fiber"
+    page_size: int = 16
+    kv_cache_mb: float = 256.0
+    #: Overrides kv_cache_mb when set.
+    kv_pages: int | None = None
+    max_running: int = 64
+    max_batch_tokens: int = 512
+    prefix_caching: bool = True
+    #: Requests waiting for admission beyond which new ones are refused (the server answers 503).
+    max_queue: int = 512
+    #: Seconds one model invocation may take before its fiber is retired and its flight fails.
+    invocation_timeout: float | None = 120.0
+    #: Fraction of model invocations that fail on purpose (fault injection for tests; 0 in production).
+    fault_rate: float = 0.0
+    #: Longest n a request may ask for.
+    max_n: int = 16
+    seed: int = 0
+    progress: bool = True

@@ -1,0 +1,14 @@
+"""The serving engine: KV pages, the scheduler, the sampler and the service that joins them."""
+
+from fiberserve.engine.sampling_params import InvalidParameter, SamplingParams
+from fiberserve.engine.service import CompletionOutput, LlmService, QueueFull, Request, RequestOutput
+
+__all__ = [
+    "CompletionOutput",
+    "InvalidParameter",
+    "LlmService",
+    "QueueFull",
+    "Request",
+    "RequestOutput",
+    "SamplingParams",
+]

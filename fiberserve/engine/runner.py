@@ -1,0 +1,104 @@
+"""A flight and the program instance that runs it on a fiber.
+
+A :class:`Flight` is a snapshot taken by the scheduler: for each sequence,
+which of its tokens to compute now and the pages they live in.  While the
+flight is in the air the scheduler leaves those sequences alone (a sequence is
+in at most one flight), so the runner may read them without locks.
+
+:class:`ModelRunner` is the stateful thing a fiber's ``Program`` instance
+holds: the model (shared, read-only), the KV cache (shared; each flight
+touches only its own sequences' pages) and per-instance scratch.  It builds
+the flat batch, runs the forward pass and samples, all on the fiber's worker.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from fiberserve.engine.sampler import sample
+from fiberserve.engine.sequence import Sequence, TokenLogprob
+from fiberserve.model.llama import ForwardBatch, KVCache, LlamaModel, SequenceSpan
+
+
+class InjectedFault(RuntimeError):
+    """A model invocation failed on purpose (``--fault-rate``)."""
+
+
+@dataclass
+class FlightItem:
+    seq: Sequence
+    start: int  #: first token index to compute
+    length: int  #: how many tokens to compute
+    pages: tuple[int, ...]  #: the sequence's pages, covering start + length tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the last known token, so its logits pick the next one."""
+        return self.start + self.length == self.seq.num_tokens
+
+
+@dataclass
+class Flight:
+    items: list[FlightItem]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.length for item in self.items)
+
+
+@dataclass
+class FlightResult:
+    """One entry per flight item: the sampled token (or None for a partial prefill chunk)."""
+
+    tokens: list[tuple[int, TokenLogprob | None] | None]
+
+
+class ModelRunner:
+    """The per-fiber program instance: ``runner(flight) -> FlightResult``."""
+
+    def __init__(self, model: LlamaModel, cache: KVCache, threads: int | None, fault_rate: float = 0.0) -> None:
+        self.model = model
+        self.cache = cache
+        self.page_size = cache.page_size
+        self.fault_rate = fault_rate
+        self._rng = random.Random()
+        if threads:
+            torch.set_num_threads(threads)  # per calling thread: this fiber's worker
+        self._page_offsets = torch.arange(self.page_size)
+
+    def _slots(self, pages: tuple[int, ...], count: int) -> torch.Tensor:
+        base = torch.tensor(pages, dtype=torch.long).unsqueeze(1) * self.page_size
+        return (base + self._page_offsets).flatten()[:count]
+
+    def build_batch(self, flight: Flight) -> ForwardBatch:
+        tokens, positions, write_slots, spans, logit_rows = [], [], [], [], []
+        row = 0
+        for item in flight.items:
+            end = item.start + item.length
+            slots = self._slots(item.pages, end)
+            tokens.extend(item.seq.tokens[item.start : end])
+            positions.append(torch.arange(item.start, end))
+            write_slots.append(slots[item.start : end])
+            spans.append(SequenceSpan(row, item.length, end, slots))
+            row += item.length
+            if item.samples:
+                logit_rows.append(row - 1)
+        return ForwardBatch(
+            tokens=torch.tensor(tokens, dtype=torch.long),
+            positions=torch.cat(positions),
+            write_slots=torch.cat(write_slots),
+            spans=spans,
+            logit_rows=torch.tensor(logit_rows, dtype=torch.long),
+        )
+
+    def __call__(self, flight: Flight) -> FlightResult:
+        if self.fault_rate and self._rng.random() < self.fault_rate:
+            raise InjectedFault("injected model fault (--fault-rate)")
+        batch = self.build_batch(flight)
+        logits = self.model.forward(batch, self.cache)
+        sampling = [item.seq for item in flight.items if item.samples]
+        picked = iter(sample(logits, sampling) if sampling else [])
+        return FlightResult([next(picked) if item.samples else None for item in flight.items])

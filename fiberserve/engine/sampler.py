@@ -1,0 +1,75 @@
+"""Turning logits into next tokens: penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+Each row is processed on its own with the sequence's own ``torch.Generator``,
+so a seeded request samples the same tokens alone or inside any batch.
+Logprobs are those of the model's raw distribution (before temperature and
+truncation), as vLLM and SGLang report them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fiberserve.engine.sampling_params import SamplingParams
+from fiberserve.engine.sequence import Sequence, TokenLogprob
+
+
+def _apply_penalties(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    p = seq.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.tokens)), dtype=torch.long)
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and seq.output_ids:
+        ids, counts = torch.tensor(seq.output_ids, dtype=torch.long).unique(return_counts=True)
+        row[ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
+    return row
+
+
+def _truncate(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p (not renormalized)."""
+    row = row / p.temperature
+    if p.top_k > 0 and p.top_k < row.numel():
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        cumulative = sorted_probs.cumsum(0)
+        drop = cumulative - sorted_probs > p.top_p  # keep the smallest set reaching top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
+    """One next token (and its logprob, if asked) per row of ``logits`` [R, vocab] float32."""
+    logits = logits.cpu()  # per-sequence generators live on the CPU
+    want_logprobs = any(s.params.logprobs or s.params.top_logprobs for s in seqs)
+    log_probs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    if all(s.params.greedy and not s.params.needs_penalties for s in seqs):
+        chosen = logits.argmax(dim=-1).tolist()
+    else:
+        chosen = []
+        for i, seq in enumerate(seqs):
+            row = logits[i]
+            if seq.params.needs_penalties:
+                row = _apply_penalties(row.clone(), seq)
+            if seq.params.greedy:
+                chosen.append(int(row.argmax()))
+            else:
+                probs = _truncate(row, seq.params)
+                chosen.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
+    results: list[tuple[int, TokenLogprob | None]] = []
+    for i, (seq, token) in enumerate(zip(seqs, chosen, strict=True)):
+        info = None
+        if log_probs is not None and (seq.params.logprobs or seq.params.top_logprobs):
+            row = log_probs[i]
+            top = []
+            if seq.params.top_logprobs:
+                values, ids = torch.topk(row, seq.params.top_logprobs)
+                top = list(zip(ids.tolist(), values.tolist(), strict=True))
+            info = TokenLogprob(token, float(row[token]), top)
+        results.append((token, info))
+    return results

@@ -1,0 +1,78 @@
+"""Sampling parameters of one request, validated once at the edge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidParameter(ValueError):
+    """A sampling parameter is out of range; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass
+class SamplingParams:
+    """What to generate and how to pick each token (vLLM / SGLang semantics)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = -1  #: -1 (or 0) = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    #: Return the log probability of each chosen token.
+    logprobs: bool = False
+    #: How many top alternatives to report per position (0 = none).
+    top_logprobs: int = 0
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    def validate(self, max_n: int = 16, vocab_size: int | None = None) -> SamplingParams:
+        """Raise :class:`InvalidParameter` naming the first bad field; return self."""
+        checks = [
+            ("max_new_tokens", self.max_new_tokens >= 0, "must be >= 0"),
+            ("temperature", self.temperature >= 0, "must be >= 0"),
+            ("top_k", self.top_k == -1 or self.top_k >= 0, "must be -1 (off) or >= 0"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("repetition_penalty", 0 < self.repetition_penalty <= 10, "must be in (0, 10]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("n", 1 <= self.n <= max_n, f"must be in [1, {max_n}]"),
+            ("top_logprobs", 0 <= self.top_logprobs <= 20, "must be in [0, 20]"),
+            (
+                "stop",
+                len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop),
+                "at most 16 non-empty strings",
+            ),
+            ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be in [0, 2**63)"),
+        ]
+        if vocab_size is not None:
+            checks.append(
+                (
+                    "stop_token_ids",
+                    all(0 <= t < vocab_size for t in self.stop_token_ids),
+                    f"ids must be in [0, {vocab_size})",
+                )
+            )
+        for name, ok, message in checks:
+            if not ok:
+                raise InvalidParameter(name, message)
+        return self

@@ -1,0 +1,174 @@
+"""The scheduler: which sequences fly next, and what happens when a flight lands.
+
+Policy, in the order :meth:`Scheduler.next_flight` applies it:
+
+1. Running sequences that are not in the air, decodes first (one token each),
+   then unfinished prefills, oldest first; each gets as many of its pending
+   tokens as the token budget (``max_batch_tokens``) leaves, so long prompts
+   are prefilled in chunks while decodes keep flowing.
+2. Waiting sequences are admitted in arrival order while the budget, the cap
+   on running sequences (``max_running``) and free pages allow; their prompt
+   prefix is first matched against the prefix cache.  Admission never
+   preempts anyone: new work waits for pages.
+3. A running sequence that needs a page when none is left preempts the most
+   recently arrived running sequence that is not in the air (it loses the
+   least work; its full pages stay in the prefix cache, so its recompute is
+   often cheap); the victim goes back to the front of the queue.
+
+Every sequence ends in exactly one of stop, length, abort, error, and its
+pages are released in all four (:meth:`finish`).  A sequence in the air is
+never freed: an abort only flags it, and it is finished when its flight lands.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from fiberserve.engine.kvcache import PagePool
+from fiberserve.engine.runner import Flight, FlightItem, FlightResult
+from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent, Status, append_token
+
+
+class Scheduler:
+    def __init__(self, pages: PagePool, max_running: int, max_batch_tokens: int) -> None:
+        self.pages = pages
+        self.max_running = max_running
+        self.max_batch_tokens = max_batch_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    # ------------------------------------------------------------------ intake
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop ``seq`` now, or when its flight lands if it is in the air."""
+        if seq.finished:
+            return
+        seq.abort_requested = True
+        if not seq.in_flight:
+            self.finish(seq, FinishReason.ABORT)
+
+    # ------------------------------------------------------------------ flights
+
+    def next_flight(self) -> Flight | None:
+        """The next batch of work under the token budget, or None if nothing can fly now."""
+        budget = self.max_batch_tokens
+        items: list[FlightItem] = []
+        ready = [s for s in self.running if not s.in_flight]
+        ready.sort(key=lambda s: (s.num_tokens - s.num_computed > 1, s.arrival))
+        for seq in ready:
+            if budget == 0:
+                break
+            if seq.status is Status.RUNNING:  # an earlier reservation may have preempted it
+                budget -= self._board(seq, budget, items, may_preempt=True)
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break  # FIFO: later arrivals do not overtake one waiting for pages
+            self.waiting.popleft()
+            budget -= self._board(seq, budget, items, may_preempt=False)
+        return Flight(items) if items else None
+
+    def _admit(self, seq: Sequence) -> bool:
+        matched = self.pages.match_prefix(seq.tokens)
+        first_admission = seq.preemptions == 0
+        seq.pages, seq.num_computed = matched, len(matched) * self.pages.page_size
+        seq.registered_pages = len(matched)
+        if self.pages.pages_for(seq.num_computed + 1) - len(matched) > self.pages.available_pages:
+            self.pages.release(matched)
+            seq.pages, seq.num_computed, seq.registered_pages = [], 0, 0
+            return False
+        if first_admission:
+            seq.cached_tokens = seq.num_computed
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _board(self, seq: Sequence, budget: int, items: list[FlightItem], may_preempt: bool) -> int:
+        """Reserve pages for ``seq``'s next chunk and add it to ``items``; returns tokens used."""
+        length = min(seq.num_tokens - seq.num_computed, budget)
+        while length > 0 and not self._reserve(seq, seq.num_computed + length, items, may_preempt):
+            # Not enough pages for the whole chunk: try what the held pages already cover.
+            covered = len(seq.pages) * self.pages.page_size - seq.num_computed
+            length = min(length - 1, covered)
+        if length <= 0:
+            return 0
+        seq.in_flight = True
+        items.append(FlightItem(seq, seq.num_computed, length, tuple(seq.pages)))
+        return length
+
+    def _reserve(self, seq: Sequence, upto: int, boarding: list[FlightItem], may_preempt: bool) -> bool:
+        need = self.pages.pages_for(upto) - len(seq.pages)
+        if need <= 0:
+            return True
+        while (new := self.pages.allocate(need)) is None:
+            if not may_preempt or not self._preempt_one(spare=seq):
+                return False
+        seq.pages.extend(new)
+        return True
+
+    def _preempt_one(self, spare: Sequence) -> bool:
+        victims = [s for s in self.running if s is not spare and not s.in_flight and s.pages]
+        if not victims:
+            return False
+        victim = max(victims, key=lambda s: s.arrival)
+        self.pages.release(victim.pages)
+        victim.pages, victim.num_computed, victim.registered_pages = [], 0, 0
+        victim.status = Status.WAITING
+        victim.preemptions += 1
+        self.preemptions += 1
+        self.running.remove(victim)
+        self.waiting.appendleft(victim)
+        return True
+
+    # ------------------------------------------------------------------ landing
+
+    def on_flight_done(self, flight: Flight, result: FlightResult) -> None:
+        for item, sampled in zip(flight.items, result.tokens, strict=True):
+            seq = item.seq
+            seq.in_flight = False
+            seq.num_computed = item.start + item.length
+            seq.registered_pages = self.pages.register(seq.pages, seq.tokens[: seq.num_computed], seq.registered_pages)
+            if seq.abort_requested:
+                self.finish(seq, FinishReason.ABORT)
+            elif sampled is not None:
+                event = append_token(seq, *sampled)
+                if event.finished:
+                    self.finish(seq, seq.finish_reason, event)
+                else:
+                    seq.events.put_nowait(event)
+
+    def on_flight_failed(self, flight: Flight, error: BaseException) -> None:
+        for item in flight.items:
+            item.seq.in_flight = False
+            item.seq.error = f"{type(error).__name__}: {error}"
+            self.finish(item.seq, FinishReason.ABORT if item.seq.abort_requested else FinishReason.ERROR)
+
+    def finish(self, seq: Sequence, reason: FinishReason, event: SequenceEvent | None = None) -> None:
+        """End ``seq`` with ``reason``: release its pages and tell its consumer (exactly once)."""
+        if seq.finished:
+            return
+        assert not seq.in_flight, "a sequence in the air cannot be finished"
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pages.release(seq.pages)
+        seq.pages = []
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.events.put_nowait(event or SequenceEvent("", True))
+
+    def check_integrity(self) -> None:
+        self.pages.check_integrity()
+        held = sum(len(s.pages) for s in self.running)
+        assert held == self.pages.total_references, f"sequences hold {held} page references, pool counts " + str(
+            self.pages.total_references
+        )
+        assert all(s.status is Status.RUNNING for s in self.running)
+        assert all(s.status is Status.WAITING and not s.pages for s in self.waiting)
+        if not self.running and not self.waiting:
+            assert self.pages.used_pages == 0, f"{self.pages.used_pages} pages in use with no sequence"

@@ -1,0 +1,164 @@
+"""A sequence: one completion being generated; it owns its tokens, its pages and its outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fiberserve.engine.sampling_params import SamplingParams
+from fiberserve.model.tokenizer import IncrementalDetokenizer
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class SequenceEvent:
+    """What a consumer sees after each step: the new text, and the outcome once finished."""
+
+    delta: str
+    finished: bool
+
+
+class Sequence:
+    """One completion; the scheduler moves it, the runner computes it, the consumer reads its events."""
+
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        detokenizer: IncrementalDetokenizer,
+        eos_token_ids: frozenset[int],
+        max_context: int,
+    ) -> None:
+        self.uid = next(_ids)
+        self.request_id = request_id
+        self.index = index  #: which of the request's n completions
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.status = Status.WAITING
+        self.pages: list[int] = []
+        self.num_computed = 0  #: leading tokens whose K/V are in the cache
+        self.registered_pages = 0  #: leading pages offered to the prefix cache
+        self.cached_tokens = 0  #: prompt tokens served from the prefix cache
+        self.in_flight = False
+        self.abort_requested = False
+        self.finish_reason: FinishReason | None = None
+        self.matched_stop: str | int | None = None
+        self.error: str | None = None
+        self.logprobs: list[TokenLogprob] = []
+        self.detokenizer = detokenizer
+        self.text = ""  #: text released to the consumer (stop strings held back until decided)
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
+        self.max_tokens = min(params.max_new_tokens, max_context - len(prompt_ids))
+        self.generator = torch.Generator()
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed + index)
+        else:
+            self.generator.seed()
+        self.arrival = time.monotonic()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.preemptions = 0
+        self.events: asyncio.Queue[SequenceEvent] = asyncio.Queue()
+        self.extra: dict[str, Any] = {}
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id}#{self.index}, {self.status.value}, "
+            f"{self.num_computed}/{self.num_tokens} computed, pages={len(self.pages)})"
+        )
+
+
+def _release_text(seq: Sequence, piece: str, final: bool) -> str:
+    """Add ``piece`` to the pending text; return what may be shown now (stop strings held back)."""
+    pending = seq.extra.get("pending", "") + piece
+    start = len(seq.text)
+    full = seq.text + pending
+    stops = seq.params.stop
+    if stops:
+        hits = [(full.find(s, max(0, start - len(s) + 1)), s) for s in stops]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if hits:
+            index, matched = min(hits)
+            seq.finish_reason, seq.matched_stop = FinishReason.STOP, matched
+            seq.extra["pending"] = ""
+            released = full[start:index]
+            seq.text = full[:index]
+            return released
+        if not final:
+            hold = max(len(s) for s in stops) - 1
+            cut = max(start, len(full) - hold)
+            seq.extra["pending"] = full[cut:]
+            seq.text = full[:cut]
+            return full[start:cut]
+    seq.extra["pending"] = ""
+    seq.text = full
+    return pending
+
+
+def append_token(seq: Sequence, token: int, info: TokenLogprob | None) -> SequenceEvent:
+    """Record a sampled token, apply the stop rules, and return the consumer's event.
+
+    Finish rules, in order: a stop token (EOS unless ``ignore_eos``, or one of
+    ``stop_token_ids``) ends with ``stop`` and contributes no text; a stop
+    string ends with ``stop`` and is cut out of the text; reaching
+    ``max_new_tokens`` (or the context length) ends with ``length``.
+    """
+    seq.output_ids.append(token)
+    if info is not None:
+        seq.logprobs.append(info)
+    if seq.first_token_time is None:
+        seq.first_token_time = time.monotonic()
+    if token in seq.stop_ids:
+        seq.finish_reason, seq.matched_stop = FinishReason.STOP, token
+        piece = ""
+    else:
+        piece = seq.detokenizer.push(token)
+    if seq.finish_reason is None and len(seq.output_ids) >= seq.max_tokens:
+        seq.finish_reason = FinishReason.LENGTH
+    final = seq.finish_reason is not None
+    if final and seq.finish_reason is FinishReason.LENGTH:
+        piece += seq.detokenizer.flush()
+    delta = _release_text(seq, piece, final)
+    return SequenceEvent(delta, seq.finish_reason is not None)

@@ -1,0 +1,291 @@
+"""LlmService: the engine.  It owns the model program, the fiber pool, the KV pages and the scheduler.
+
+Requests flow: :meth:`LlmService.submit` validates and queues sequences; the
+batch loop boards flights while a fiber is idle; each flight runs as
+``async with pool.acquire() as fiber: await program.invoke(fiber, flight)``;
+landing appends tokens, streams text and frees finished sequences' pages.
+Because boarding does not wait for the previous flight to land, up to
+``fibers`` flights are in the air at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fiberserve.config import EngineConfig
+from fiberserve.engine.kvcache import PagePool
+from fiberserve.engine.runner import Flight, ModelRunner
+from fiberserve.engine.sampling_params import InvalidParameter, SamplingParams
+from fiberserve.engine.scheduler import Scheduler
+from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent, TokenLogprob
+from fiberserve.model.assets import DEFAULT_MODEL_NAME, default_model_path
+from fiberserve.model.llama import KVCache, LlamaModel
+from fiberserve.model.loader import load_checkpoint
+from fiberserve.model.tokenizer import Tokenizer, load_tokenizer
+from fiberserve.runtime import Fiber, FiberPool, Isolation, Program
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """The admission queue is full; the caller should retry later (HTTP 503)."""
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """``auto`` is bfloat16 where the hardware computes it natively, else float32."""
+    if name in ("float32", "fp32"):
+        return torch.float32
+    if name in ("bfloat16", "bf16"):
+        return torch.bfloat16
+    if name != "auto":
+        raise ValueError(f"--dtype must be float32, bfloat16 or auto, got {name!r}")
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return torch.float32
+    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    matched_stop: str | int | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    cached_tokens: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_ids: list[int]
+    seqs: list[Sequence]
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.id,
+            prompt_token_ids=self.prompt_ids,
+            outputs=[completion_of(s) for s in self.seqs],
+            cached_tokens=max(s.cached_tokens for s in self.seqs),
+        )
+
+
+def completion_of(seq: Sequence) -> CompletionOutput:
+    reason = seq.finish_reason.value if seq.finish_reason else "running"
+    return CompletionOutput(
+        seq.index, seq.text, list(seq.output_ids), reason, seq.matched_stop, seq.logprobs, seq.error
+    )
+
+
+class LlmService:
+    """The serving engine; build with :meth:`load`, then ``await start()`` on the loop that serves."""
+
+    def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer: Tokenizer, model_path: str) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.max_context = model.config.max_position_embeddings
+        page_bytes = KVCache.bytes_per_page(model.config, config.page_size, model.dtype)
+        num_pages = config.kv_pages or max(2, int(config.kv_cache_mb * 2**20) // page_bytes)
+        self.kv_cache = KVCache(model.config, num_pages, config.page_size, model.dtype, model.device)
+        self.pages = PagePool(num_pages, config.page_size, config.prefix_caching)
+        self.scheduler = Scheduler(self.pages, config.max_running, config.max_batch_tokens)
+        threads = config.threads_per_fiber or max(1, (os.cpu_count() or 1) // config.fibers)
+        self.program = Program(
+            lambda fiber: ModelRunner(self.model, self.kv_cache, threads, config.fault_rate),
+            Isolation(config.isolation),
+            name="llama-forward",
+        )
+        self.pool: FiberPool | None = None
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._flights: set[asyncio.Task] = set()
+        self._request_ids = itertools.count()
+        self.flights_run = 0
+        self.flights_failed = 0
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> LlmService:
+        """Load weights and tokenizer (seconds for the default model); fetch the default if needed."""
+        path = config.model or str(default_model_path(config.cache_dir, progress=config.progress))
+        dtype = resolve_dtype(config.dtype, config.device)
+        checkpoint = load_checkpoint(path, progress=config.progress)
+        model = LlamaModel(checkpoint, dtype=dtype, device=config.device)
+        tokenizer = load_tokenizer(path, config.cache_dir, checkpoint.config.eos_token_ids)
+        return cls(config, model, tokenizer, path)
+
+    @property
+    def model_name(self) -> str:
+        return DEFAULT_MODEL_NAME if self.config.model is None else Path(self.model_path).stem
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self.pool = FiberPool(self.config.fibers, device=self.config.device, name="fiber")
+        self._wake = asyncio.Event()
+        self._loop_task = asyncio.create_task(self._batch_loop(), name="fiberserve-batcher")
+
+    async def close(self) -> None:
+        """Abort everything, wait for flights in the air, stop the fibers."""
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            self.scheduler.abort(seq)
+        if self._flights:
+            await asyncio.gather(*self._flights, return_exceptions=True)
+        if self._loop_task:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        if self.pool:
+            self.pool.close()
+
+    # ------------------------------------------------------------------ the batching step
+
+    async def _batch_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while len(self._flights) < self.config.fibers:
+                flight = self.scheduler.next_flight()
+                if flight is None:
+                    break
+                self._flights.add(asyncio.create_task(self._fly(flight)))
+
+    async def _fly(self, flight: Flight) -> None:
+        try:
+            async with self.pool.acquire() as fiber:
+                result = await self._invoke(fiber, flight)
+        except BaseException as exc:
+            self.flights_failed += 1
+            log.warning("flight of %d sequences failed: %r", len(flight.items), exc)
+            self.scheduler.on_flight_failed(flight, exc)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            self.flights_run += 1
+            self.scheduler.on_flight_done(flight, result)
+        finally:
+            self._flights.discard(asyncio.current_task())
+            self._wake.set()
+
+    async def _invoke(self, fiber: Fiber, flight: Flight):
+        return await self.program.invoke(fiber, flight, timeout=self.config.invocation_timeout)
+
+    # ------------------------------------------------------------------ requests
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidParameter for a request the engine cannot serve."""
+        params.validate(self.config.max_n, self.model.config.vocab_size)
+        if not prompt_ids:
+            raise InvalidParameter("prompt", "is empty (at least one token is needed)")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidParameter("input_ids", f"token ids must be in [0, {vocab})")
+        total = len(prompt_ids) + params.max_new_tokens
+        if total > self.max_context:
+            raise InvalidParameter(
+                "max_new_tokens",
+                f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
+                f"exceeds the context length {self.max_context}",
+            )
+        if self.pages.pages_for(total) > self.pages.num_pages:
+            raise InvalidParameter(
+                "max_new_tokens",
+                f"prompt plus max_new_tokens needs {self.pages.pages_for(total)} KV pages; "
+                f"the cache has {self.pages.num_pages}",
+            )
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        """Validate and queue a request; its sequences start streaming events at once."""
+        self.validate(prompt_ids, params)
+        if len(self.scheduler.waiting) + params.n > self.config.max_queue:
+            raise QueueFull(f"the admission queue is full ({self.config.max_queue} waiting)")
+        rid = request_id or uuid.uuid4().hex
+        seqs = [
+            Sequence(
+                rid,
+                i,
+                prompt_ids,
+                params,
+                self.tokenizer.detokenizer(prompt_ids),
+                self.tokenizer.eos_token_ids,
+                self.max_context,
+            )
+            for i in range(params.n)
+        ]
+        for seq in seqs:
+            if seq.max_tokens <= 0:  # nothing to compute: finished at once with "length"
+                self.scheduler.finish(seq, FinishReason.LENGTH)
+            else:
+                self.scheduler.add(seq)
+        self._wake.set()
+        return Request(rid, list(prompt_ids), seqs)
+
+    def abort(self, request: Request) -> None:
+        for seq in request.seqs:
+            self.scheduler.abort(seq)
+        self._wake.set()
+
+    @staticmethod
+    async def events(seq: Sequence) -> AsyncIterator[SequenceEvent]:
+        """The sequence's events up to and including the finished one."""
+        while True:
+            event = await seq.events.get()
+            yield event
+            if event.finished:
+                return
+
+    async def wait(self, request: Request) -> RequestOutput:
+        """Wait for every sequence of ``request``; aborts it if the waiter is cancelled."""
+        try:
+            for seq in request.seqs:
+                async for _ in self.events(seq):
+                    pass
+        except asyncio.CancelledError:
+            self.abort(request)
+            raise
+        return request.output()
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None):
+        return await self.wait(self.submit(prompt_ids, params, request_id))
+
+    async def flush_cache(self) -> int:
+        return self.pages.flush()
+
+    # ------------------------------------------------------------------ introspection
+
+    def is_idle(self) -> bool:
+        return not self.scheduler.running and not self.scheduler.waiting and not self._flights
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        if self.pool:
+            self.pool.check_integrity()

@@ -1,0 +1,237 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) over a paged KV cache.
+
+One :meth:`LlamaModel.forward` runs a *flat* batch: the new tokens of every
+sequence laid end to end (no padding rows), each with its position and the
+KV-cache slot it writes.  Prefill chunks and single decode tokens share the
+call.  Attention reads each sequence's keys through its own page table only.
+
+Batch invariance (same logits for a row alone or inside any batch) is a
+design goal, and it shapes the attention code:
+
+* linear layers are row-wise; bf16 ``F.linear`` is bit-identical for a row
+  whatever the rows around it (see ../shared/MEASUREMENTS.md);
+* attention runs in float32 over keys gathered into a buffer padded to a
+  multiple of :data:`KEY_BUCKET`, and decode rows are grouped by that padded
+  length, so a row's reductions have the same shape alone or in a batch; the
+  padded keys are masked to exactly zero weight and are only ever *read*
+  (from slot 0 of the cache), never written.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fiberserve.model.config import ModelConfig
+from fiberserve.model.loader import Checkpoint
+
+#: Key buffers are padded to a multiple of this many positions (see module docstring).
+KEY_BUCKET = 64
+
+
+@dataclass
+class SequenceSpan:
+    """One sequence's part of a flat batch."""
+
+    start: int  #: first row of this sequence's new tokens in the flat batch
+    length: int  #: number of new tokens (1 for decode)
+    context: int  #: keys visible after this step (cached + new)
+    slots: torch.Tensor  #: LongTensor [context]: the KV slot of every position 0..context-1
+
+
+@dataclass
+class ForwardBatch:
+    tokens: torch.Tensor  #: LongTensor [T]
+    positions: torch.Tensor  #: LongTensor [T]
+    write_slots: torch.Tensor  #: LongTensor [T]: where each new token's K/V goes
+    spans: list[SequenceSpan]
+    logit_rows: torch.Tensor  #: LongTensor [R]: rows whose logits are returned
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+
+class KVCache:
+    """Keys and values of every layer, addressed by flat slot = page * page_size + offset."""
+
+    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype, device) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        shape = (config.num_layers, num_pages * page_size, config.num_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_page(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * element
+
+
+def _bucket(n: int) -> int:
+    return -(-n // KEY_BUCKET) * KEY_BUCKET
+
+
+@dataclass
+class _AttentionPlan:
+    """Index tensors shared by every layer of one forward call."""
+
+    decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # rows, key slots, key mask
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # start, length, key slots, mask
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, device) -> _AttentionPlan:
+        by_bucket: dict[int, list[SequenceSpan]] = {}
+        prefills = []
+        for span in batch.spans:
+            padded = _bucket(span.context)
+            keys = torch.zeros(padded, dtype=torch.long)
+            keys[: span.context] = span.slots[: span.context]
+            if span.length == 1:
+                by_bucket.setdefault(padded, []).append(span)
+                continue
+            first = span.context - span.length
+            query_pos = torch.arange(first, span.context).unsqueeze(1)
+            mask = torch.arange(padded).unsqueeze(0) <= query_pos  # causal; also hides padding
+            prefills.append((span.start, span.length, keys.to(device), mask.to(device)))
+        groups = []
+        for padded, spans in by_bucket.items():
+            rows = torch.tensor([s.start for s in spans], dtype=torch.long)
+            keys = torch.zeros(len(spans), padded, dtype=torch.long)
+            mask = torch.zeros(len(spans), padded, dtype=torch.bool)
+            for i, s in enumerate(spans):
+                keys[i, : s.context] = s.slots[: s.context]
+                mask[i, : s.context] = True
+            groups.append((rows.to(device), keys.to(device), mask.to(device)))
+        return cls(groups, prefills)
+
+
+def _rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.double()
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported rope_scaling type {kind!r}")
+    return inv_freq.float()
+
+
+class _Layer:
+    def __init__(self, w: dict[str, torch.Tensor], i: int, config: ModelConfig, dtype, device) -> None:
+        p = f"model.layers.{i}."
+
+        def get(name: str) -> torch.Tensor:
+            return w[p + name].to(device=device, dtype=dtype).contiguous()
+
+        self.attn_norm = w[p + "input_layernorm.weight"].to(device=device, dtype=dtype)
+        self.mlp_norm = w[p + "post_attention_layernorm.weight"].to(device=device, dtype=dtype)
+        self.qkv = torch.cat([get(f"self_attn.{x}_proj.weight") for x in "qkv"]).contiguous()
+        self.qkv_bias = None
+        if config.attention_bias:
+            self.qkv_bias = torch.cat([get(f"self_attn.{x}_proj.bias") for x in "qkv"])
+        self.o = get("self_attn.o_proj.weight")
+        self.gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]).contiguous()
+        self.down = get("mlp.down_proj.weight")
+
+
+class LlamaModel:
+    """Weights plus the forward pass; stateless between calls (the KV cache is passed in)."""
+
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype = torch.float32, device="cpu") -> None:
+        config = checkpoint.config
+        w = checkpoint.weights
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.embed = w["model.embed_tokens.weight"].to(device=self.device, dtype=dtype)
+        head = w.get("lm_head.weight")
+        self.lm_head = self.embed if head is None or config.tie_word_embeddings else head.to(self.device, dtype)
+        self.norm = w["model.norm.weight"].to(device=self.device, dtype=dtype)
+        self.layers = [_Layer(w, i, config, dtype, self.device) for i in range(config.num_layers)]
+        inv_freq = _rope_inv_freq(config, checkpoint.rope_freq_factors).to(self.device)
+        positions = torch.arange(config.max_position_embeddings, device=self.device, dtype=torch.float32)
+        angles = torch.outer(positions, inv_freq)
+        self.cos, self.sin = angles.cos(), angles.sin()
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE in float32; x: [T, heads, head_dim], cos/sin: [T, 1, head_dim/2]."""
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Run the flat batch, write its K/V into ``cache``, return float32 logits [R, vocab]."""
+        cfg = self.config
+        T = batch.num_tokens
+        H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        plan = _AttentionPlan.build(batch, self.device)
+        tokens = batch.tokens.to(self.device)
+        positions = batch.positions.to(self.device)
+        write_slots = batch.write_slots.to(self.device)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        h = self.embed[tokens]
+        for index, layer in enumerate(self.layers):
+            x = self._rms_norm(h, layer.attn_norm)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+            q = self._rope(q.view(T, H, D), cos, sin)
+            k = self._rope(k.view(T, KVH, D), cos, sin)
+            cache.k[index].index_copy_(0, write_slots, k.to(cache.k.dtype))
+            cache.v[index].index_copy_(0, write_slots, v.view(T, KVH, D).to(cache.v.dtype))
+            attn = self._attention(q, cache.k[index], cache.v[index], plan)
+            h = h + F.linear(attn.to(self.dtype), layer.o)
+            x = self._rms_norm(h, layer.mlp_norm)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        h = self._rms_norm(h[batch.logit_rows.to(self.device)], self.norm)
+        return F.linear(h, self.lm_head).float()
+
+    def _attention(self, q: torch.Tensor, k_cache, v_cache, plan: _AttentionPlan) -> torch.Tensor:
+        """q: [T, H, D] float32 -> [T, H*D] float32, each row attending to its own sequence only."""
+        cfg = self.config
+        T, H, D = q.shape
+        KVH = cfg.num_kv_heads
+        G = H // KVH
+        out = torch.empty(T, H * D, dtype=torch.float32, device=q.device)
+        for rows, keys, mask in plan.decode_groups:
+            B, L = keys.shape
+            kk = k_cache[keys].float().permute(0, 2, 3, 1)  # [B, KVH, D, L]
+            vv = v_cache[keys].float().transpose(1, 2)  # [B, KVH, L, D]
+            qq = q[rows].view(B, KVH, G, D)
+            scores = torch.matmul(qq, kk) * self.scale  # [B, KVH, G, L]
+            scores.masked_fill_(~mask.view(B, 1, 1, L), float("-inf"))
+            out[rows] = torch.matmul(scores.softmax(-1), vv).reshape(B, H * D)
+        for start, length, keys, mask in plan.prefills:
+            L = keys.shape[0]
+            kk = k_cache[keys].float().permute(1, 2, 0)  # [KVH, D, L]
+            vv = v_cache[keys].float().transpose(0, 1)  # [KVH, L, D]
+            qq = q[start : start + length].view(length, KVH, G, D).permute(1, 2, 0, 3)  # [KVH, G, Q, D]
+            scores = torch.matmul(qq, kk.unsqueeze(1)) * self.scale  # [KVH, G, Q, L]
+            scores.masked_fill_(~mask, float("-inf"))
+            o = torch.matmul(scores.softmax(-1), vv.unsqueeze(1))  # [KVH, G, Q, D]
+            out[start : start + length] = o.permute(2, 0, 1, 3).reshape(length, H * D)
+        return out

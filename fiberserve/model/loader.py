@@ -1,0 +1,162 @@
+"""Checkpoint loading: a GGUF file or a Hugging Face directory -> config + float32 weights.
+
+Both loaders return weights under Hugging Face names and layout, so the model
+has one code path.  GGUF stores Llama's q/k projections permuted for
+llama.cpp's interleaved rotary embedding; :func:`_unpermute` undoes that so
+the usual rotate-half RoPE gives the reference logits.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from fiberserve.model.config import ModelConfig, UnsupportedModelError, normalize_architecture
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    #: Llama 3 style per-frequency divisors stored by GGUF files (``rope_freqs.weight``).
+    rope_freq_factors: torch.Tensor | None = None
+
+
+def load_checkpoint(path: str | Path, progress: bool = True) -> Checkpoint:
+    """Load a ``.gguf`` file or a Hugging Face model directory."""
+    path = Path(path)
+    if path.is_dir():
+        return load_hf_directory(path, progress)
+    if path.suffix == ".gguf" and path.is_file():
+        return load_gguf(path, progress)
+    raise FileNotFoundError(f"--model {path}: expected a .gguf file or a Hugging Face model directory")
+
+
+# ---------------------------------------------------------------- GGUF
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return value
+
+
+def gguf_config(reader) -> ModelConfig:
+    arch_name = _field(reader, "general.architecture")
+    arch = normalize_architecture(arch_name)
+
+    def get(key, default=None):
+        return _field(reader, f"{arch_name}.{key}", default)
+
+    heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = get("vocab_size") or (len(tokens) if tokens is not None else None)
+    scaling = None
+    if get("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    eos = [_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id")]
+    names = {t.name for t in reader.tensors}
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=int(hidden),
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=int(heads),
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length") or hidden // heads),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(get("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias=any(n.endswith("attn_q.bias") for n in names),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+    )
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Invert llama.cpp's q/k row permutation (interleaved pairs -> rotate-half halves)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: Path, progress: bool = True) -> Checkpoint:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    config = gguf_config(reader)
+    permuted = config.architecture == "llama"
+    weights: dict[str, torch.Tensor] = {}
+    freq_factors = None
+    for tensor in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress):
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        value = torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: the reader maps the file read-only
+        if tensor.name == "rope_freqs.weight":
+            freq_factors = value
+            continue
+        name = _GGUF_NAMES.get(tensor.name)
+        if name is None:
+            match = _GGUF_LAYER.fullmatch(tensor.name)
+            if not match or match.group(2) not in _GGUF_LAYER_NAMES:
+                raise UnsupportedModelError(f"{path.name}: unexpected tensor {tensor.name!r}")
+            layer, part, kind = match.groups()
+            name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+            if permuted and part == "attn_q":
+                value = _unpermute(value, config.num_heads)
+            elif permuted and part == "attn_k":
+                value = _unpermute(value, config.num_kv_heads)
+        weights[name] = value
+    return Checkpoint(config, weights, freq_factors)
+
+
+# ---------------------------------------------------------------- Hugging Face directory
+
+
+def load_hf_directory(path: Path, progress: bool = True) -> Checkpoint:
+    from safetensors.torch import load_file
+
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"--model {path}: no config.json in this directory")
+    config = ModelConfig.from_hf(json.loads(config_file.read_text()))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        shards = sorted(p.name for p in path.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"--model {path}: no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for shard in tqdm(shards, desc=f"loading {path.name}", unit="shard", disable=not progress):
+        for name, value in load_file(str(path / shard)).items():
+            weights[name] = value.float()
+    return Checkpoint(config, weights)

@@ -1,0 +1,119 @@
+"""Tokenizer, chat template and incremental detokenization.
+
+The tokenizer comes from ``transformers`` (which builds a fast tokenizer from
+GGUF metadata, or reads ``tokenizer.json`` / ``tokenizer_config.json`` from a
+Hugging Face directory), so the chat template renders exactly as
+``apply_chat_template`` does.  Building one from GGUF metadata takes seconds,
+so the result is saved under the cache directory and reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class Tokenizer:
+    """Encode, decode, render chats; BOS added only where the model's tokenizer asks for it."""
+
+    def __init__(self, hf_tokenizer: Any, extra_eos_ids: tuple[int, ...] = ()) -> None:
+        self.hf = hf_tokenizer
+        self.vocab_size = len(hf_tokenizer)
+        eos = [hf_tokenizer.eos_token_id, *extra_eos_ids]
+        self.eos_token_ids: frozenset[int] = frozenset(int(e) for e in eos if e is not None)
+        self.bos_token_id = hf_tokenizer.bos_token_id
+        self.has_chat_template = bool(getattr(hf_tokenizer, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for ``messages``, rendered by the model's own template."""
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template; use /v1/completions or /generate")
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        # The rendered template carries its own special tokens: add none twice.
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+    def detokenizer(self, prompt_ids: list[int] | None = None) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, prompt_ids or [])
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text, one piece at a time.
+
+    Contract: the concatenation of everything :meth:`push` returns equals the
+    decode of all ids pushed so far once the text is complete; a multi-byte
+    character split across tokens is held back until its last byte arrives
+    (never emitted as U+FFFD).  A few prompt tokens give the first pieces
+    their context (leading spaces of SentencePiece-style vocabularies).
+    """
+
+    CONTEXT = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-self.CONTEXT :])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the new text it completes (possibly empty)."""
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset])
+        full = decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            piece = full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.text += piece
+            return piece
+        return ""
+
+    def flush(self) -> str:
+        """At the end: whatever is still held back (an incomplete character decodes as U+FFFD)."""
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        piece = full[len(prefix) :] if full.startswith(prefix) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += piece
+        return piece
+
+
+def _cache_key(path: Path) -> str:
+    stat = path.stat()
+    raw = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def load_tokenizer(model_path: str | Path, cache_dir: str | Path | None, extra_eos_ids=()) -> Tokenizer:
+    """The tokenizer of a GGUF file (cached under ``cache_dir``) or a Hugging Face directory."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    path = Path(model_path)
+    if path.is_dir():
+        return Tokenizer(AutoTokenizer.from_pretrained(str(path)), extra_eos_ids)
+    saved = Path(cache_dir) / "tokenizers" / _cache_key(path) if cache_dir else None
+    if saved is not None and (saved / "tokenizer.json").is_file():
+        return Tokenizer(AutoTokenizer.from_pretrained(str(saved)), extra_eos_ids)
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if saved is not None:
+        try:
+            hf.save_pretrained(str(saved))
+        except OSError as exc:  # a read-only cache only costs time
+            log.warning("could not cache the tokenizer in %s: %s", saved, exc)
+    return Tokenizer(hf, extra_eos_ids)
