@@ -48,3 +48,23 @@ class EngineConfig:
     max_n: int = 16
     seed: int = 0
     progress: bool = True
+
+
+@dataclass
+class ServerConfig:
+    """The HTTP server around one engine."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    #: The model name clients see (/v1/models, "model" fields); defaults to the model file's name.
+    served_model_name: str | None = None
+    #: When set, every path except ``open_paths`` needs ``Authorization: Bearer <key>``.
+    api_key: str | None = None
+    open_paths: tuple[str, ...] = ("/health", "/metrics")
+    max_body_bytes: int = 1 << 20
+    #: Origins allowed by CORS; empty: CORS off.
+    cors_origins: tuple[str, ...] = ()
+    #: Seconds SIGTERM waits for in-flight requests before aborting them.
+    shutdown_timeout: float = 30.0
+    log_level: str = "info"

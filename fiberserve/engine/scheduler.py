@@ -22,6 +22,7 @@ never freed: an abort only flags it, and it is finished when its flight lands.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from fiberserve.engine.kvcache import PagePool
@@ -160,6 +161,7 @@ class Scheduler:
         seq.pages = []
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        seq.finish_time = time.monotonic()
         seq.events.put_nowait(event or SequenceEvent("", True))
 
     def check_integrity(self) -> None:

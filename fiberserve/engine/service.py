@@ -84,7 +84,7 @@ class RequestOutput:
         return sum(len(o.token_ids) for o in self.outputs)
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     id: str
     prompt_ids: list[int]

@@ -1,0 +1,7 @@
+"""``python -m fiberserve.server`` == ``fiberserve serve``."""
+
+import sys
+
+from fiberserve.cli import main
+
+sys.exit(main(["serve", *sys.argv[1:]]))

@@ -1,0 +1,98 @@
+"""The FastAPI application: lifecycle, routes, error handlers, middleware."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from fiberserve.config import ServerConfig
+from fiberserve.engine import LlmService
+from fiberserve.server import native_api, openai_api
+from fiberserve.server.errors import ApiError, handle_api_error, handle_unexpected, handle_validation_error
+from fiberserve.server.metrics import Metrics
+from fiberserve.server.middleware import GuardMiddleware
+from fiberserve.server.state import ServerState
+
+log = logging.getLogger("fiberserve.server")
+
+
+def create_app(config: ServerConfig, service: LlmService | None = None) -> FastAPI:
+    """The app; loads the model in the background unless ``service`` is given (``/health`` says 503 meanwhile)."""
+    state = ServerState(config)
+    state.metrics = Metrics(state)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loader = asyncio.create_task(_load(state, service))
+        try:
+            yield
+        finally:
+            loader.cancel()
+            await asyncio.gather(loader, return_exceptions=True)
+            if state.service is not None:
+                await state.service.close()
+
+    app = FastAPI(title="fiberserve", lifespan=lifespan)
+    app.state.fiberserve = state
+    app.include_router(native_api.router)
+    app.include_router(openai_api.router)
+    app.add_exception_handler(ApiError, handle_api_error)
+    app.add_exception_handler(RequestValidationError, handle_validation_error)
+    app.add_exception_handler(Exception, handle_unexpected)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    if config.cors_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"], allow_headers=["*"]
+        )
+    app.add_middleware(GuardMiddleware, state=state)
+    return app
+
+
+async def _load(state: ServerState, service: LlmService | None) -> None:
+    try:
+        if service is None:
+            service = await asyncio.to_thread(LlmService.load, state.config.engine)
+        await service.start()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        log.error("could not load the model: %s", state.load_error)
+        return
+    state.service = service
+    log.info(
+        "ready: %s on %s (%s), %d fibers, %d KV pages of %d tokens",
+        service.model_name,
+        service.config.device,
+        str(service.model.dtype).removeprefix("torch."),
+        service.config.fibers,
+        service.pages.num_pages,
+        service.pages.page_size,
+    )
+
+
+def run_server(config: ServerConfig) -> None:
+    """Serve until SIGINT/SIGTERM; in-flight requests get ``shutdown_timeout`` seconds to finish."""
+    import uvicorn
+
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(config)
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=config.shutdown_timeout,
+    )

@@ -1,0 +1,69 @@
+"""One error shape for every endpoint (OpenAI's): ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from fiberserve.engine import InvalidParameter, QueueFull
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: int | str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(err.message, err.kind, err.param, err.status), err.status, headers=err.headers)
+
+
+def from_engine(exc: Exception, rename: dict[str, str] | None = None) -> ApiError:
+    """Map the engine's refusals to HTTP: bad parameters 400, a full queue 503 with Retry-After."""
+    if isinstance(exc, InvalidParameter):
+        field = (rename or {}).get(exc.field, exc.field)
+        message = str(exc).replace(exc.field, field, 1)
+        return ApiError(400, message, field)
+    if isinstance(exc, QueueFull):
+        return ApiError(503, str(exc), kind="overloaded", headers={"Retry-After": "1"})
+    raise exc
+
+
+async def handle_api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc)
+
+
+async def handle_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    field = ".".join(loc) or "body"
+    if first.get("type") == "json_invalid":
+        message = "the body is not valid JSON (or not UTF-8)"
+        field = "body"
+    else:
+        message = f"{field}: {first.get('msg', 'invalid value')}"
+    return error_response(ApiError(400, message, field))
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    # Never a stack trace to the client; the log has it.
+    import logging
+
+    logging.getLogger("fiberserve.server").exception("unhandled error on %s", request.url.path)
+    return error_response(ApiError(500, "internal server error"))

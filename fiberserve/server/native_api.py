@@ -1,0 +1,190 @@
+"""SGLang's native API (``/generate``, ``/get_model_info``, ...) plus shortfin's ``/health``."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from fiberserve import __version__
+from fiberserve.engine import Request as EngineRequest
+from fiberserve.engine.sequence import Sequence
+from fiberserve.engine.service import CompletionOutput, completion_of
+from fiberserve.server.errors import ApiError, error_body
+from fiberserve.server.protocol import GenerateRequest
+from fiberserve.server.state import RequestDisconnected, ServerState
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.fiberserve
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    state = _state(request)
+    if state.service is None:
+        status = "failed" if state.load_error else "loading"
+        return JSONResponse({"status": status}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/get_model_info")
+@router.get("/model_info")
+async def model_info(request: Request) -> dict:
+    state = _state(request)
+    service = state.ready_service()
+    return {
+        "model_path": service.model_path,
+        "tokenizer_path": service.model_path,
+        "served_model_name": state.model_name,
+        "is_generation": True,
+        "max_context_length": service.max_context,
+    }
+
+
+@router.get("/get_server_info")
+@router.get("/server_info")
+async def server_info(request: Request) -> dict:
+    state = _state(request)
+    service = state.ready_service()
+    cfg = service.config
+    pool = service.pool.stats() if service.pool else None
+    return {
+        "version": __version__,
+        "model_path": service.model_path,
+        "served_model_name": state.model_name,
+        "device": cfg.device,
+        "dtype": str(service.model.dtype).removeprefix("torch."),
+        "fibers": cfg.fibers,
+        "isolation": cfg.isolation,
+        "page_size": cfg.page_size,
+        "max_total_num_tokens": service.pages.num_pages * service.pages.page_size,
+        "max_running_requests": cfg.max_running,
+        "max_batch_tokens": cfg.max_batch_tokens,
+        "max_queue": cfg.max_queue,
+        "context_length": service.max_context,
+        "kv_pages": {
+            "total": service.pages.num_pages,
+            "free": service.pages.free_pages,
+            "used": service.pages.used_pages,
+            "cached": service.pages.cached_pages,
+        },
+        "pool": pool.__dict__ if pool else None,
+    }
+
+
+@router.post("/flush_cache")
+async def flush_cache(request: Request) -> dict:
+    dropped = await _state(request).ready_service().flush_cache()
+    return {"success": True, "flushed_pages": dropped}
+
+
+def finish_reason(comp: CompletionOutput | Sequence) -> dict | None:
+    comp = completion_of(comp) if isinstance(comp, Sequence) else comp
+    if comp.finish_reason == "stop":
+        return {"type": "stop", "matched": comp.matched_stop}
+    if comp.finish_reason == "length":
+        return {"type": "length", "length": len(comp.token_ids)}
+    if comp.finish_reason in ("abort", "error"):
+        return {"type": comp.finish_reason, "message": comp.error or comp.finish_reason}
+    return None
+
+
+def _meta(req: EngineRequest, comp: CompletionOutput, logprob: bool, started: float) -> dict:
+    meta = {
+        "id": req.id if len(req.seqs) == 1 else f"{req.id}-{comp.index}",
+        "finish_reason": finish_reason(comp),
+        "prompt_tokens": len(req.prompt_ids),
+        "completion_tokens": len(comp.token_ids),
+        "cached_tokens": max(s.cached_tokens for s in req.seqs),
+        "e2e_latency": time.monotonic() - started,
+    }
+    if logprob:
+        meta["output_token_logprobs"] = [[lp.logprob, lp.token_id, None] for lp in comp.logprobs]
+        meta["output_top_logprobs"] = [[[v, t, None] for t, v in lp.top] for lp in comp.logprobs]
+    return meta
+
+
+def _result(req: EngineRequest, comp: CompletionOutput, logprob: bool, started: float) -> dict:
+    return {"text": comp.text, "output_ids": comp.token_ids, "meta_info": _meta(req, comp, logprob, started)}
+
+
+def _prompts(state: ServerState, body: GenerateRequest) -> tuple[list[list[int]], bool]:
+    """Token ids of every prompt, and whether the input was a list (so the answer is one)."""
+    if (body.text is None) == (body.input_ids is None):
+        raise ApiError(400, "give exactly one of text or input_ids", "text")
+    if body.text is not None:
+        texts = body.text if isinstance(body.text, list) else [body.text]
+        if not texts:
+            raise ApiError(400, "text: the list is empty", "text")
+        return [state.encode(t, "text") for t in texts], isinstance(body.text, list)
+    ids = body.input_ids
+    batched = bool(ids) and isinstance(ids[0], list)
+    prompts = ids if batched else [ids]
+    if not prompts or any(not p for p in prompts):
+        raise ApiError(400, "input_ids: must not be empty", "input_ids")
+    return prompts, batched
+
+
+def _failed(requests: list[EngineRequest]) -> ApiError | None:
+    for r in requests:
+        for s in r.seqs:
+            if s.finish_reason is not None and s.finish_reason.value == "error":
+                return ApiError(500, f"request {r.id} failed: {s.error}", kind="server_error")
+    return None
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request) -> Response:
+    state = _state(request)
+    started = time.monotonic()
+    prompts, batched = _prompts(state, body)
+    params = body.params()
+    rids = None
+    if body.rid is not None:
+        rids = body.rid if isinstance(body.rid, list) else [body.rid]
+        if len(rids) != len(prompts) or any(len(r) > 128 or not r for r in rids):
+            raise ApiError(400, "rid: one non-empty id (at most 128 characters) per prompt", "rid")
+    requests = state.submit(prompts, params, rids)
+    request.state.prompt_tokens = sum(len(p) for p in prompts)
+    logprob = bool(body.return_logprob)
+    many = batched or params.n > 1
+    if body.stream:
+        return StreamingResponse(_stream(state, requests, logprob, started, many), media_type="text/event-stream")
+    try:
+        outputs = await state.wait_all(request, requests)
+    except RequestDisconnected:
+        return Response(status_code=499)
+    if error := _failed(requests):
+        raise error
+    request.state.completion_tokens = sum(o.completion_tokens for o in outputs)
+    results = [_result(r, c, logprob, started) for r, o in zip(requests, outputs, strict=True) for c in o.outputs]
+    return JSONResponse(results if many else results[0])
+
+
+async def _stream(
+    state: ServerState, requests: list[EngineRequest], logprob: bool, started: float, many: bool
+) -> AsyncIterator[str]:
+    """SGLang's stream: ``data: {json}`` events with the cumulative text, then ``data: [DONE]``."""
+    index_of = {}
+    n = len(requests[0].seqs)
+    for i, r in enumerate(requests):
+        for s in r.seqs:
+            index_of[s.uid] = (r, i * n + s.index)
+    async for seq, event in state.merged_events(requests):
+        req, index = index_of[seq.uid]
+        if event.finished and seq.finish_reason.value == "error":
+            yield f"data: {json.dumps(error_body(f'request {req.id} failed: {seq.error}', 'server_error'))}\n\n"
+            continue
+        if not event.delta and not event.finished:
+            continue
+        payload = _result(req, completion_of(seq), logprob, started)
+        if many:
+            payload["index"] = index
+        yield f"data: {json.dumps(payload)}\n\n"
+    yield "data: [DONE]\n\n"

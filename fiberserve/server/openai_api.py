@@ -1,0 +1,245 @@
+"""The OpenAI-compatible API: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import jinja2
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from fiberserve.engine import InvalidParameter
+from fiberserve.engine import Request as EngineRequest
+from fiberserve.engine.sequence import TokenLogprob
+from fiberserve.engine.service import CompletionOutput
+from fiberserve.server.errors import ApiError, error_body, from_engine
+from fiberserve.server.native_api import _failed
+from fiberserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from fiberserve.server.state import RequestDisconnected, ServerState
+
+router = APIRouter(prefix="/v1")
+
+#: Engine parameter names as OpenAI clients know them (for error messages).
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "top_logprobs": "logprobs", "prompt": "prompt"}
+_CHAT_NAMES = {"max_new_tokens": "max_tokens", "prompt": "messages"}
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.fiberserve
+
+
+def _finish(comp: CompletionOutput) -> str | None:
+    return {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}.get(comp.finish_reason)
+
+
+def _usage(requests: list[EngineRequest]) -> dict:
+    prompt = sum(len(r.prompt_ids) for r in requests)
+    completion = sum(len(s.output_ids) for r in requests for s in r.seqs)
+    cached = sum(max(s.cached_tokens for s in r.seqs) for r in requests)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+@router.get("/models")
+async def models(request: Request) -> dict:
+    state = _state(request)
+    state.ready_service()
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": state.model_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "fiberserve",
+                "root": state.service.model_path,
+            }
+        ],
+    }
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model and model != state.model_name:
+        raise ApiError(
+            404, f"model {model!r} is not served here; try {state.model_name!r}", "model", kind="not_found_error"
+        )
+
+
+def _completion_logprobs(state: ServerState, lps: list[TokenLogprob]) -> dict:
+    decode = state.service.tokenizer.decode
+    return {
+        "tokens": [decode([lp.token_id]) for lp in lps],
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{decode([t]): v for t, v in lp.top} for lp in lps],
+        "text_offset": [],
+    }
+
+
+def _chat_logprobs(state: ServerState, lps: list[TokenLogprob]) -> dict:
+    decode = state.service.tokenizer.decode
+
+    def entry(token: int, value: float) -> dict:
+        text = decode([token])
+        return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+    return {
+        "content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
+    }
+
+
+async def _serve(
+    request: Request,
+    state: ServerState,
+    prompts: list[list[int]],
+    params,
+    names: dict,
+    stream: bool,
+    include_usage: bool,
+    render,
+) -> Response:
+    requests = state.submit(prompts, params, None, names)
+    request.state.prompt_tokens = sum(len(p) for p in prompts)
+    if stream:
+        return StreamingResponse(render.stream(state, requests, include_usage), media_type="text/event-stream")
+    try:
+        outputs = await state.wait_all(request, requests)
+    except RequestDisconnected:
+        return Response(status_code=499)
+    if error := _failed(requests):
+        raise error
+    request.state.completion_tokens = sum(o.completion_tokens for o in outputs)
+    n = params.n
+    choices = [render.choice(state, i * n + c.index, c) for i, o in enumerate(outputs) for c in o.outputs]
+    return JSONResponse(render.body(state, requests, choices))
+
+
+class _Completions:
+    object = "text_completion"
+
+    def __init__(self, logprobs: bool) -> None:
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.logprobs = logprobs
+
+    def choice(self, state: ServerState, index: int, comp: CompletionOutput) -> dict:
+        lps = _completion_logprobs(state, comp.logprobs) if self.logprobs else None
+        return {"index": index, "text": comp.text, "logprobs": lps, "finish_reason": _finish(comp)}
+
+    def body(self, state: ServerState, requests, choices: list[dict]) -> dict:
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": state.model_name,
+            "choices": choices,
+            "usage": _usage(requests),
+        }
+
+    def delta_choice(self, index: int, delta: str, finish: str | None) -> dict:
+        return {"index": index, "text": delta, "logprobs": None, "finish_reason": finish}
+
+    async def stream(self, state: ServerState, requests, include_usage: bool) -> AsyncIterator[str]:
+        n = len(requests[0].seqs)
+        prompt_index = {s.uid: i for i, r in enumerate(requests) for s in r.seqs}
+        async for seq, event in state.merged_events(requests):
+            if event.finished and seq.finish_reason.value == "error":
+                body = error_body(f"request {seq.request_id} failed: {seq.error}", "server_error")
+                yield f"data: {json.dumps(body)}\n\n"
+                continue
+            index = prompt_index[seq.uid] * n + seq.index
+            finish = seq.finish_reason.value if event.finished else None
+            if not event.delta and finish is None:
+                continue
+            chunk = self.body(state, requests, [self.delta_choice(index, event.delta, finish)])
+            chunk["object"] = self.chunk_object
+            chunk.pop("usage")
+            yield f"data: {json.dumps(chunk)}\n\n"
+        if include_usage:
+            chunk = self.body(state, requests, [])
+            chunk["object"] = self.chunk_object
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    chunk_object = "text_completion"
+
+
+class _ChatCompletions(_Completions):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, logprobs: bool) -> None:
+        super().__init__(logprobs)
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.started: set[int] = set()
+
+    def choice(self, state: ServerState, index: int, comp: CompletionOutput) -> dict:
+        lps = _chat_logprobs(state, comp.logprobs) if self.logprobs else None
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": comp.text},
+            "logprobs": lps,
+            "finish_reason": _finish(comp),
+        }
+
+    def delta_choice(self, index: int, delta: str, finish: str | None) -> dict:
+        content = {"content": delta} if delta or finish is None else {}
+        if index not in self.started:
+            self.started.add(index)
+            content = {"role": "assistant", "content": delta}
+        return {"index": index, "delta": content, "logprobs": None, "finish_reason": finish}
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    state = _state(request)
+    state.ready_service()
+    _check_model(state, body.model)
+    if body.echo:
+        raise ApiError(400, "echo is not supported", "echo")
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompts = [state.encode(prompt, "prompt")]
+    elif not prompt:
+        raise ApiError(400, "prompt: must not be empty", "prompt")
+    elif isinstance(prompt[0], str):
+        prompts = [state.encode(p, "prompt") for p in prompt]
+    elif isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = prompt
+        if any(not p for p in prompts):
+            raise ApiError(400, "prompt: token lists must not be empty", "prompt")
+    try:
+        params = body.params()
+    except InvalidParameter as exc:
+        raise from_engine(exc, _OPENAI_NAMES) from None
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return await _serve(
+        request, state, prompts, params, _OPENAI_NAMES, body.stream, include_usage, _Completions(params.logprobs)
+    )
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    state = _state(request)
+    service = state.ready_service()
+    _check_model(state, body.model)
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt = service.tokenizer.encode_chat(messages)
+        params = body.params()
+    except InvalidParameter as exc:
+        raise from_engine(exc, _CHAT_NAMES) from None
+    except (ValueError, jinja2.TemplateError) as exc:  # no chat template, or it refused the messages
+        raise ApiError(400, f"messages: {exc}", "messages") from None
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return await _serve(
+        request, state, [prompt], params, _CHAT_NAMES, body.stream, include_usage, _ChatCompletions(params.logprobs)
+    )

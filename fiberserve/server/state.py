@@ -1,0 +1,150 @@
+"""What the endpoints share: the engine (once loaded), the config, metrics, and request plumbing."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from fastapi import Request as HttpRequest
+
+from fiberserve.config import ServerConfig
+from fiberserve.engine import LlmService, Request, RequestOutput, SamplingParams
+from fiberserve.engine.sequence import Sequence, SequenceEvent
+from fiberserve.server.errors import ApiError, from_engine
+
+T = TypeVar("T")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.:@/-]")
+
+
+def sanitize(text: str, limit: int = 64) -> str:
+    """A request id fit for a log line: no control characters, no spaces, bounded length."""
+    return _UNSAFE.sub("?", text[:limit])
+
+
+class RequestDisconnected(Exception):
+    """The client went away before the answer was ready."""
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    service: LlmService | None = None
+    metrics: object | None = None
+    load_error: str | None = None
+    #: Requests being served, for shutdown and leak checks.
+    active: set[Request] = field(default_factory=set)
+
+    @property
+    def model_name(self) -> str:
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        return self.service.model_name if self.service else "loading"
+
+    def ready_service(self) -> LlmService:
+        if self.service is None:
+            message = f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
+            raise ApiError(503, message, kind="unavailable", headers={"Retry-After": "1"})
+        return self.service
+
+    def encode(self, text: str, field: str) -> list[int]:
+        if not text:
+            raise ApiError(400, f"{field}: must not be empty", field)
+        return self.ready_service().tokenizer.encode(text)
+
+    def submit(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        rids: list[str] | None,
+        rename: dict[str, str] | None = None,
+    ) -> list[Request]:
+        """Submit every prompt or none: a refusal of one aborts those already queued."""
+        service = self.ready_service()
+        for ids in prompts:  # validate all first, so a bad prompt queues nothing
+            try:
+                service.validate(ids, params)
+            except Exception as exc:
+                raise from_engine(exc, rename) from None
+        requests: list[Request] = []
+        try:
+            for i, ids in enumerate(prompts):
+                requests.append(service.submit(ids, params, rids[i] if rids else None))
+        except Exception as exc:
+            for r in requests:
+                service.abort(r)
+            raise from_engine(exc, rename) from None
+        self.active.update(requests)
+        return requests
+
+    def done(self, requests: list[Request]) -> None:
+        """Account for finished requests (metrics) and forget them; abort any still running."""
+        service = self.service
+        for r in requests:
+            if r not in self.active:
+                continue
+            self.active.discard(r)
+            if any(not s.finished for s in r.seqs):
+                service.abort(r)
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(len(r.prompt_ids))
+                for s in r.seqs:
+                    if s.finished:
+                        self.metrics.observe_sequence(s)
+
+    async def wait_all(self, http: HttpRequest, requests: list[Request]) -> list[RequestOutput]:
+        """Wait for the requests; abort them if the client disconnects first."""
+        service = self.ready_service()
+        try:
+            return await until_disconnected(http, asyncio.gather(*(service.wait(r) for r in requests)))
+        finally:
+            self.done(requests)
+
+    async def merged_events(self, requests: list[Request]) -> AsyncIterator[tuple[Sequence, SequenceEvent]]:
+        """Events of every sequence of ``requests`` as they happen; aborts the rest if the consumer stops."""
+        seqs = [s for r in requests for s in r.seqs]
+        queue: asyncio.Queue[tuple[Sequence, SequenceEvent]] = asyncio.Queue()
+
+        async def pump(seq: Sequence) -> None:
+            async for event in LlmService.events(seq):
+                queue.put_nowait((seq, event))
+
+        pumps = [asyncio.create_task(pump(s)) for s in seqs]
+        remaining = len(seqs)
+        try:
+            while remaining:
+                seq, event = await queue.get()
+                remaining -= event.finished
+                yield seq, event
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            self.done(requests)
+
+
+async def until_disconnected(http: HttpRequest, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first (then cancel it, raise RequestDisconnected)."""
+    work_task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await http.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        done, _ = await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work_task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if work_task in done:
+        return work_task.result()
+    work_task.cancel()
+    await asyncio.gather(work_task, return_exceptions=True)
+    raise RequestDisconnected()
