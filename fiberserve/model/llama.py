@@ -166,21 +166,17 @@ class LlamaModel:
         self.layers = [_Layer(w, i, config, dtype, self.device) for i in range(config.num_layers)]
         inv_freq = _rope_inv_freq(config, checkpoint.rope_freq_factors).to(self.device)
         positions = torch.arange(config.max_position_embeddings, device=self.device, dtype=torch.float32)
-        angles = torch.outer(positions, inv_freq)
+        angles = torch.outer(positions, inv_freq).repeat(1, 2)
         self.cos, self.sin = angles.cos(), angles.sin()
         self.scale = 1.0 / math.sqrt(config.head_dim)
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return weight * xf.to(x.dtype)
-
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate-half RoPE in float32; x: [T, heads, head_dim], cos/sin: [T, 1, head_dim/2]."""
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half].float(), x[..., half:].float()
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        """Rotate-half RoPE in float32; x: [T, heads, D], cos/sin: [T, 1, D] (each half repeated)."""
+        xf = x.float()
+        half = xf.shape[-1] // 2
+        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        return xf * cos + rotated * sin
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
@@ -188,6 +184,7 @@ class LlamaModel:
         cfg = self.config
         T = batch.num_tokens
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        eps = cfg.rms_norm_eps
         plan = _AttentionPlan.build(batch, self.device)
         tokens = batch.tokens.to(self.device)
         positions = batch.positions.to(self.device)
@@ -195,43 +192,53 @@ class LlamaModel:
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         h = self.embed[tokens]
         for index, layer in enumerate(self.layers):
-            x = self._rms_norm(h, layer.attn_norm)
+            x = F.rms_norm(h, (cfg.hidden_size,), layer.attn_norm, eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
-            q = self._rope(q.view(T, H, D), cos, sin)
-            k = self._rope(k.view(T, KVH, D), cos, sin)
+            qk = self._rope(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)
+            q, k = qk[:, :H], qk[:, H:]
             cache.k[index].index_copy_(0, write_slots, k.to(cache.k.dtype))
-            cache.v[index].index_copy_(0, write_slots, v.view(T, KVH, D).to(cache.v.dtype))
+            cache.v[index].index_copy_(0, write_slots, qkv[:, (H + KVH) * D :].view(T, KVH, D).to(cache.v.dtype))
             attn = self._attention(q, cache.k[index], cache.v[index], plan)
             h = h + F.linear(attn.to(self.dtype), layer.o)
-            x = self._rms_norm(h, layer.mlp_norm)
+            x = F.rms_norm(h, (cfg.hidden_size,), layer.mlp_norm, eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, layer.down)
-        h = self._rms_norm(h[batch.logit_rows.to(self.device)], self.norm)
+        h = F.rms_norm(h[batch.logit_rows.to(self.device)], (cfg.hidden_size,), self.norm, eps)
         return F.linear(h, self.lm_head).float()
 
     def _attention(self, q: torch.Tensor, k_cache, v_cache, plan: _AttentionPlan) -> torch.Tensor:
-        """q: [T, H, D] float32 -> [T, H*D] float32, each row attending to its own sequence only."""
-        cfg = self.config
+        """q: [T, H, D] float32 -> [T, H*D] float32, each row attending to its own sequence only.
+
+        Keys and values are gathered (read only) from the sequence's slots into
+        float32 buffers laid out [.., KVH, L, D], so that one batched matmul per
+        product covers every (sequence, kv head) pair; GQA groups share their kv head.
+        """
         T, H, D = q.shape
-        KVH = cfg.num_kv_heads
+        KVH = self.config.num_kv_heads
         G = H // KVH
         out = torch.empty(T, H * D, dtype=torch.float32, device=q.device)
         for rows, keys, mask in plan.decode_groups:
             B, L = keys.shape
-            kk = k_cache[keys].float().permute(0, 2, 3, 1)  # [B, KVH, D, L]
-            vv = v_cache[keys].float().transpose(1, 2)  # [B, KVH, L, D]
-            qq = q[rows].view(B, KVH, G, D)
-            scores = torch.matmul(qq, kk) * self.scale  # [B, KVH, G, L]
-            scores.masked_fill_(~mask.view(B, 1, 1, L), float("-inf"))
-            out[rows] = torch.matmul(scores.softmax(-1), vv).reshape(B, H * D)
+            kk, vv = self._gather(k_cache, keys), self._gather(v_cache, keys)  # [B, KVH, L, D]
+            qq = q[rows].reshape(B * KVH, G, D)
+            scores = torch.bmm(qq, kk.view(B * KVH, L, D).transpose(1, 2)).view(B, KVH, G, L)
+            scores.mul_(self.scale).masked_fill_(~mask.view(B, 1, 1, L), float("-inf"))
+            probs = scores.softmax(-1).view(B * KVH, G, L)
+            out[rows] = torch.bmm(probs, vv.view(B * KVH, L, D)).view(B, H * D)
         for start, length, keys, mask in plan.prefills:
             L = keys.shape[0]
-            kk = k_cache[keys].float().permute(1, 2, 0)  # [KVH, D, L]
-            vv = v_cache[keys].float().transpose(0, 1)  # [KVH, L, D]
-            qq = q[start : start + length].view(length, KVH, G, D).permute(1, 2, 0, 3)  # [KVH, G, Q, D]
-            scores = torch.matmul(qq, kk.unsqueeze(1)) * self.scale  # [KVH, G, Q, L]
-            scores.masked_fill_(~mask, float("-inf"))
-            o = torch.matmul(scores.softmax(-1), vv.unsqueeze(1))  # [KVH, G, Q, D]
-            out[start : start + length] = o.permute(2, 0, 1, 3).reshape(length, H * D)
+            kk, vv = self._gather(k_cache, keys[None])[0], self._gather(v_cache, keys[None])[0]  # [KVH, L, D]
+            qq = q[start : start + length].view(length, KVH, G, D).permute(1, 2, 0, 3).reshape(KVH, G * length, D)
+            scores = torch.bmm(qq, kk.transpose(1, 2)).view(KVH, G, length, L)
+            scores.mul_(self.scale).masked_fill_(~mask, float("-inf"))
+            o = torch.bmm(scores.softmax(-1).view(KVH, G * length, L), vv)  # [KVH, G*Q, D]
+            out[start : start + length] = o.view(KVH, G, length, D).permute(2, 0, 1, 3).reshape(length, H * D)
         return out
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """cache [slots, KVH, D], keys [B, L] -> float32 [B, KVH, L, D] (one gather, one copy)."""
+        B, L = keys.shape
+        rows = cache.index_select(0, keys.flatten()).view(B, L, cache.shape[1], cache.shape[2])
+        buffer = torch.empty(B, cache.shape[1], L, cache.shape[2], dtype=torch.float32, device=cache.device)
+        return buffer.copy_(rows.transpose(1, 2))

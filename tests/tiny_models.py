@@ -1,0 +1,140 @@
+"""Tiny random-weight Llama-family checkpoints, written by the tests themselves (GGUF and HF)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TINY = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def random_weights(cfg: dict, seed: int = 0, bias: bool = False) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    D, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    H, KVH = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = D // H
+
+    def r(*shape, scale=0.08):
+        return torch.randn(*shape, generator=g) * scale
+
+    w = {"model.embed_tokens.weight": r(V, D, scale=1.0), "model.norm.weight": 1 + r(D, scale=0.1)}
+    if not cfg.get("tie_word_embeddings"):
+        w["lm_head.weight"] = r(V, D)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = 1 + r(D, scale=0.1)
+        w[p + "post_attention_layernorm.weight"] = 1 + r(D, scale=0.1)
+        w[p + "self_attn.q_proj.weight"] = r(H * hd, D)
+        w[p + "self_attn.k_proj.weight"] = r(KVH * hd, D)
+        w[p + "self_attn.v_proj.weight"] = r(KVH * hd, D)
+        w[p + "self_attn.o_proj.weight"] = r(D, H * hd)
+        w[p + "mlp.gate_proj.weight"] = r(F, D)
+        w[p + "mlp.up_proj.weight"] = r(F, D)
+        w[p + "mlp.down_proj.weight"] = r(D, F)
+        if bias:
+            for x, n in (("q", H), ("k", KVH), ("v", KVH)):
+                w[p + f"self_attn.{x}_proj.bias"] = r(n * hd, scale=0.1)
+    return w
+
+
+def write_hf(
+    path: Path, cfg: dict, weights: dict[str, torch.Tensor], arch: str = "LlamaForCausalLM", shards: int = 1
+) -> Path:
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = {**cfg, "architectures": [arch], "model_type": "qwen2" if "Qwen2" in arch else "llama"}
+    (path / "config.json").write_text(json.dumps(config))
+    names = sorted(weights)
+    if shards == 1:
+        save_file({k: weights[k].contiguous() for k in names}, str(path / "model.safetensors"))
+        return path
+    weight_map = {}
+    for s in range(shards):
+        part = names[s::shards]
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: weights[k].contiguous() for k in part}, str(path / file))
+        weight_map.update(dict.fromkeys(part, file))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map})
+    )
+    return path
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's HF -> GGUF q/k permutation (the loader must undo it)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], qtype=None) -> Path:
+    """A GGUF file as llama.cpp's converter writes it; 2-D weights quantized to ``qtype`` if given."""
+    import gguf
+    from gguf.quants import quantize
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    H, KVH = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(H)
+    w.add_head_count_kv(KVH)
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+
+    def put(name: str, value: np.ndarray) -> None:
+        value = np.ascontiguousarray(value, dtype=np.float32)
+        if qtype is not None and value.ndim == 2:
+            w.add_tensor(name, quantize(value, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, value)
+
+    put("token_embd.weight", weights["model.embed_tokens.weight"].numpy())
+    put("output_norm.weight", weights["model.norm.weight"].numpy())
+    if "lm_head.weight" in weights:
+        put("output.weight", weights["lm_head.weight"].numpy())
+    for i in range(cfg["num_hidden_layers"]):
+        for hf_name, gguf_name in _GGUF_NAMES.items():
+            value = weights[f"model.layers.{i}.{hf_name}"].numpy()
+            if gguf_name == "attn_q.weight":
+                value = _permute(value, H)
+            elif gguf_name == "attn_k.weight":
+                value = _permute(value, KVH)
+            put(f"blk.{i}.{gguf_name}", value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

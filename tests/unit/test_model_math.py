@@ -1,0 +1,148 @@
+"""The model layer on tiny random models: loaders agree, logits match transformers, batching is exact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fiberserve.model import ForwardBatch, KVCache, LlamaModel, SequenceSpan, UnsupportedModelError, load_checkpoint
+from tests.tiny_models import TINY, random_weights, write_gguf, write_hf
+
+PAGE = 4
+
+
+def prefill_batch(seqs: list[tuple[list[int], list[int]]], start: list[int] | None = None) -> ForwardBatch:
+    """seqs: (tokens of the whole sequence, its pages); computes tokens[start:] for each."""
+    tokens, positions, write, spans, rows = [], [], [], [], []
+    row = 0
+    for i, (toks, pages) in enumerate(seqs):
+        s = start[i] if start else 0
+        slots = (torch.tensor(pages).unsqueeze(1) * PAGE + torch.arange(PAGE)).flatten()[: len(toks)]
+        tokens += toks[s:]
+        positions.append(torch.arange(s, len(toks)))
+        write.append(slots[s:])
+        spans.append(SequenceSpan(row, len(toks) - s, len(toks), slots))
+        row += len(toks) - s
+        rows.extend(range(row - (len(toks) - s), row))
+    return ForwardBatch(torch.tensor(tokens), torch.cat(positions), torch.cat(write), spans, torch.tensor(rows))
+
+
+def logits_of(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
+    cache = KVCache(model.config, 64, PAGE, model.dtype, "cpu")
+    return model.forward(prefill_batch([(tokens, list(range(64)))]), cache)
+
+
+def hf_logits(path, tokens: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32)
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0]
+
+
+TOKENS = [5, 17, 200, 3, 99, 42, 7, 7, 150, 33, 12]
+
+
+def test_gguf_and_hf_loaders_give_the_same_logits(tiny_dirs):
+    a = LlamaModel(load_checkpoint(tiny_dirs["gguf"], progress=False))
+    b = LlamaModel(load_checkpoint(tiny_dirs["hf"], progress=False))
+    assert a.config.num_kv_heads == 2 and a.config.vocab_size == 256
+    torch.testing.assert_close(logits_of(a, TOKENS), logits_of(b, TOKENS), atol=1e-5, rtol=0)
+
+
+def test_logits_match_transformers(tiny_dirs):
+    ours = logits_of(LlamaModel(load_checkpoint(tiny_dirs["gguf"], progress=False)), TOKENS)
+    torch.testing.assert_close(ours, hf_logits(tiny_dirs["hf"], TOKENS), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"arch": "Qwen2ForCausalLM", "bias": True},
+        {"tie_word_embeddings": True},
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8,
+            }
+        },
+        {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+        {"shards": 3},
+    ],
+    ids=["qwen2-bias", "tied", "llama3-rope", "linear-rope", "sharded"],
+)
+def test_architecture_variants_match_transformers(tmp_path, variant):
+    variant = dict(variant)
+    arch = variant.pop("arch", "LlamaForCausalLM")
+    bias = variant.pop("bias", False)
+    shards = variant.pop("shards", 1)
+    cfg = {**TINY, **variant}
+    path = write_hf(tmp_path / "m", cfg, random_weights(cfg, seed=3, bias=bias), arch=arch, shards=shards)
+    ours = logits_of(LlamaModel(load_checkpoint(path, progress=False)), TOKENS * 3)
+    torch.testing.assert_close(ours, hf_logits(path, TOKENS * 3), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0"])
+def test_quantized_gguf_is_dequantized_by_the_gguf_package(tmp_path, qtype):
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    cfg = {**TINY, "hidden_size": 64, "intermediate_size": 256}
+    weights = random_weights(cfg, seed=5)
+    kind = gguf.GGMLQuantizationType[qtype]
+    ck = load_checkpoint(write_gguf(tmp_path / "q.gguf", cfg, weights, qtype=kind), progress=False)
+    expected = dequantize(quantize(weights["model.layers.1.mlp.down_proj.weight"].numpy(), kind), kind)
+    torch.testing.assert_close(ck.weights["model.layers.1.mlp.down_proj.weight"], torch.from_numpy(expected))
+    # and the whole model runs close to the float weights
+    full = logits_of(LlamaModel(load_checkpoint(write_hf(tmp_path / "f", cfg, weights), progress=False)), TOKENS)
+    approx = logits_of(LlamaModel(ck), TOKENS)
+    assert (approx - full).abs().max() < (0.05 if qtype in ("F16", "BF16", "Q8_0") else 1.5)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    path = write_hf(tmp_path / "m", TINY, random_weights(TINY))
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        load_checkpoint(path, progress=False)
+
+
+def test_batched_forward_equals_one_by_one_and_touches_only_its_own_pages(tiny_dirs):
+    model = LlamaModel(load_checkpoint(tiny_dirs["hf"], progress=False))
+    seqs = [(TOKENS[:3], [9, 2]), (TOKENS * 2, [0, 5, 11, 3, 7, 8]), (TOKENS[:1], [1]), (TOKENS[2:9], [4, 6])]
+    alone = [logits_of(model, toks) for toks, _ in seqs]
+    cache = KVCache(model.config, 16, PAGE, torch.float32, "cpu")
+    cache.k.fill_(1234.0)
+    cache.v.fill_(1234.0)
+    batched = model.forward(prefill_batch(seqs), cache)
+    offset = 0
+    for (toks, _), ref in zip(seqs, alone, strict=True):
+        torch.testing.assert_close(batched[offset : offset + len(toks)], ref, atol=1e-4, rtol=0)
+        offset += len(toks)
+    # Only slots of the sequences' own tokens were written: every other slot keeps its sentinel.
+    used = set()
+    for toks, pages in seqs:
+        used |= {(pages[i // PAGE]) * PAGE + i % PAGE for i in range(len(toks))}
+    untouched = [s for s in range(16 * PAGE) if s not in used]
+    assert bool((cache.k[:, untouched] == 1234.0).all()) and bool((cache.v[:, untouched] == 1234.0).all())
+
+
+def test_prefill_chunks_and_decode_steps_in_one_call(tiny_dirs):
+    """A chunked prefill beside decode tokens gives the logits of one whole prefill."""
+    model = LlamaModel(load_checkpoint(tiny_dirs["hf"], progress=False))
+    a, b = TOKENS * 2, TOKENS[:7]
+    ref_a, ref_b = logits_of(model, a), logits_of(model, b)
+    cache = KVCache(model.config, 16, PAGE, torch.float32, "cpu")
+    pa, pb = [3, 1, 4, 0, 5, 9], [2, 6]
+    first = model.forward(prefill_batch([(a[:13], pa), (b[:6], pb)]), cache)
+    torch.testing.assert_close(first[:13], ref_a[:13], atol=1e-4, rtol=0)
+    # second call: the rest of a's prompt (a chunk) and one decode token of b
+    second = model.forward(prefill_batch([(a, pa), (b, pb)], start=[13, 6]), cache)
+    torch.testing.assert_close(second[: len(a) - 13], ref_a[13:], atol=1e-4, rtol=0)
+    torch.testing.assert_close(second[-1], ref_b[-1], atol=1e-4, rtol=0)
