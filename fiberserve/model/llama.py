@@ -9,12 +9,16 @@ Batch invariance (same logits for a row alone or inside any batch) is a
 design goal, and it shapes the attention code:
 
 * linear layers are row-wise; bf16 ``F.linear`` is bit-identical for a row
-  whatever the rows around it (see ../shared/MEASUREMENTS.md);
+  whatever the rows around it once there are at least two (see
+  :data:`MIN_LINEAR_ROWS`);
 * attention runs in float32 over keys gathered into a buffer padded to a
   multiple of :data:`KEY_BUCKET`, and decode rows are grouped by that padded
   length, so a row's reductions have the same shape alone or in a batch; the
   padded keys are masked to exactly zero weight and are only ever *read*
-  (from slot 0 of the cache), never written.
+  (from slot 0 of the cache), never written;
+* query matrices are padded to at least :data:`MIN_QUERY_ROWS` rows, so a
+  prompt token computed as a one-token chunk (or a decode token) rounds
+  exactly as it does inside a long prefill.
 """
 
 from __future__ import annotations
@@ -30,6 +34,24 @@ from fiberserve.model.loader import Checkpoint
 
 #: Key buffers are padded to a multiple of this many positions (see module docstring).
 KEY_BUCKET = 64
+#: Attention products never run with fewer query rows per matrix than this: BLAS
+#: takes a different (differently rounding) path for very thin matrices (measured:
+#: 1 to 3 rows differ from 4+ in float32 on this CPU), so a decode row would not
+#: match the same row computed inside a prefill.
+MIN_QUERY_ROWS = 8
+#: Linear layers never run on fewer rows than this, for the same reason: a
+#: one-row bf16 product (a matrix-vector kernel) rounds differently from the
+#: same row inside a larger product (measured on the 1536-wide down projection).
+MIN_LINEAR_ROWS = 2
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` that computes a row the same way whatever the number of rows around it."""
+    rows = x.shape[0]
+    if rows >= MIN_LINEAR_ROWS:
+        return F.linear(x, weight, bias)
+    padded = torch.cat([x, x.new_zeros(MIN_LINEAR_ROWS - rows, x.shape[1])])
+    return F.linear(padded, weight, bias)[:rows]
 
 
 @dataclass
@@ -193,18 +215,18 @@ class LlamaModel:
         h = self.embed[tokens]
         for index, layer in enumerate(self.layers):
             x = F.rms_norm(h, (cfg.hidden_size,), layer.attn_norm, eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = _linear(x, layer.qkv, layer.qkv_bias)
             qk = self._rope(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)
             q, k = qk[:, :H], qk[:, H:]
             cache.k[index].index_copy_(0, write_slots, k.to(cache.k.dtype))
             cache.v[index].index_copy_(0, write_slots, qkv[:, (H + KVH) * D :].view(T, KVH, D).to(cache.v.dtype))
             attn = self._attention(q, cache.k[index], cache.v[index], plan)
-            h = h + F.linear(attn.to(self.dtype), layer.o)
+            h = h + _linear(attn.to(self.dtype), layer.o)
             x = F.rms_norm(h, (cfg.hidden_size,), layer.mlp_norm, eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = _linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + _linear(F.silu(gate) * up, layer.down)
         h = F.rms_norm(h[batch.logit_rows.to(self.device)], (cfg.hidden_size,), self.norm, eps)
-        return F.linear(h, self.lm_head).float()
+        return _linear(h, self.lm_head).float()
 
     def _attention(self, q: torch.Tensor, k_cache, v_cache, plan: _AttentionPlan) -> torch.Tensor:
         """q: [T, H, D] float32 -> [T, H*D] float32, each row attending to its own sequence only.
@@ -220,19 +242,25 @@ class LlamaModel:
         for rows, keys, mask in plan.decode_groups:
             B, L = keys.shape
             kk, vv = self._gather(k_cache, keys), self._gather(v_cache, keys)  # [B, KVH, L, D]
-            qq = q[rows].reshape(B * KVH, G, D)
-            scores = torch.bmm(qq, kk.view(B * KVH, L, D).transpose(1, 2)).view(B, KVH, G, L)
+            R = max(G, MIN_QUERY_ROWS)
+            qq = q.new_zeros(B * KVH, R, D)
+            qq[:, :G] = q[rows].view(B * KVH, G, D)
+            scores = torch.bmm(qq, kk.view(B * KVH, L, D).transpose(1, 2)).view(B, KVH, R, L)
             scores.mul_(self.scale).masked_fill_(~mask.view(B, 1, 1, L), float("-inf"))
-            probs = scores.softmax(-1).view(B * KVH, G, L)
-            out[rows] = torch.bmm(probs, vv.view(B * KVH, L, D)).view(B, H * D)
+            probs = scores.softmax(-1).view(B * KVH, R, L)
+            out[rows] = torch.bmm(probs, vv.view(B * KVH, L, D))[:, :G].reshape(B, H * D)
         for start, length, keys, mask in plan.prefills:
             L = keys.shape[0]
             kk, vv = self._gather(k_cache, keys[None])[0], self._gather(v_cache, keys[None])[0]  # [KVH, L, D]
             qq = q[start : start + length].view(length, KVH, G, D).permute(1, 2, 0, 3).reshape(KVH, G * length, D)
-            scores = torch.bmm(qq, kk.transpose(1, 2)).view(KVH, G, length, L)
-            scores.mul_(self.scale).masked_fill_(~mask, float("-inf"))
-            o = torch.bmm(scores.softmax(-1).view(KVH, G * length, L), vv)  # [KVH, G*Q, D]
-            out[start : start + length] = o.view(KVH, G, length, D).permute(2, 0, 1, 3).reshape(length, H * D)
+            pad = max(0, MIN_QUERY_ROWS - G * length)
+            if pad:  # rows of zeros, sliced off below
+                qq = torch.cat([qq, qq.new_zeros(KVH, pad, D)], dim=1)
+            scores = torch.bmm(qq, kk.transpose(1, 2))  # [KVH, G*Q + pad, L]
+            scores.mul_(self.scale)
+            scores[:, : G * length].view(KVH, G, length, L).masked_fill_(~mask, float("-inf"))
+            o = torch.bmm(scores.softmax(-1), vv)[:, : G * length]  # [KVH, G*Q, D]
+            out[start : start + length] = o.reshape(KVH, G, length, D).permute(2, 0, 1, 3).reshape(length, H * D)
         return out
 
     @staticmethod
