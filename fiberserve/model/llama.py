@@ -43,6 +43,8 @@ MIN_QUERY_ROWS = 8
 #: one-row bf16 product (a matrix-vector kernel) rounds differently from the
 #: same row inside a larger product (measured on the 1536-wide down projection).
 MIN_LINEAR_ROWS = 2
+#: How many of the top bf16 logits of a row are recomputed exactly (see ``_refine_top``).
+REFINED_LOGITS = 16
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -226,7 +228,22 @@ class LlamaModel:
             gate, up = _linear(x, layer.gate_up).chunk(2, dim=-1)
             h = h + _linear(F.silu(gate) * up, layer.down)
         h = F.rms_norm(h[batch.logit_rows.to(self.device)], (cfg.hidden_size,), self.norm, eps)
-        return _linear(h, self.lm_head).float()
+        logits = _linear(h, self.lm_head).float()
+        if self.dtype != torch.float32:
+            self._refine_top(logits, h)
+        return logits
+
+    def _refine_top(self, logits: torch.Tensor, h: torch.Tensor) -> None:
+        """Recompute the leading candidates' logits in float32, in place.
+
+        bf16 logits are coarse (steps of 0.125 near 20), so the top tokens often
+        tie and greedy decoding would pick by token id.  The exact float32 dot
+        products of the top :data:`REFINED_LOGITS` break those ties as the
+        float32 model would; the work is elementwise per row, so batch invariant.
+        """
+        top = logits.topk(min(REFINED_LOGITS, logits.shape[-1]), dim=-1).indices  # [R, k]
+        exact = (h.float().unsqueeze(1) * self.lm_head[top].float()).sum(-1)
+        logits.scatter_(1, top, exact)
 
     def _attention(self, q: torch.Tensor, k_cache, v_cache, plan: _AttentionPlan) -> torch.Tensor:
         """q: [T, H, D] float32 -> [T, H*D] float32, each row attending to its own sequence only.
