@@ -83,16 +83,21 @@ async def _load(state: ServerState, service: LlmService | None) -> None:
 
 
 def run_server(config: ServerConfig) -> None:
-    """Serve until SIGINT/SIGTERM; in-flight requests get ``shutdown_timeout`` seconds to finish."""
+    """Serve until SIGINT/SIGTERM; in-flight requests get ``shutdown_timeout`` seconds to finish, then exit 0."""
     import uvicorn
 
+    class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()  # uvicorn would re-raise the signal afterwards: exit -15, not 0
+
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(config)
-    uvicorn.run(
-        app,
+    uvicorn_config = uvicorn.Config(
+        create_app(config),
         host=config.host,
         port=config.port,
         log_level=config.log_level,
         access_log=False,
         timeout_graceful_shutdown=config.shutdown_timeout,
     )
+    GracefulServer(uvicorn_config).run()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -75,6 +76,13 @@ async def server_info(request: Request) -> dict:
             "cached": service.pages.cached_pages,
         },
         "pool": pool.__dict__ if pool else None,
+        "active_requests": len(state.active),
+        "running_sequences": len(service.scheduler.running),
+        "waiting_sequences": len(service.scheduler.waiting),
+        "asyncio_tasks": len(asyncio.all_tasks()),
+        "flights_run": service.flights_run,
+        "flights_failed": service.flights_failed,
+        "program_instances_built": service.program.instances_built,
     }
 
 
@@ -155,7 +163,8 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     logprob = bool(body.return_logprob)
     many = batched or params.n > 1
     if body.stream:
-        return StreamingResponse(_stream(state, requests, logprob, started, many), media_type="text/event-stream")
+        stream = _stream(state, request, requests, logprob, started, many)
+        return StreamingResponse(stream, media_type="text/event-stream")
     try:
         outputs = await state.wait_all(request, requests)
     except RequestDisconnected:
@@ -168,7 +177,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
 
 
 async def _stream(
-    state: ServerState, requests: list[EngineRequest], logprob: bool, started: float, many: bool
+    state: ServerState, http: Request, requests: list[EngineRequest], logprob: bool, started: float, many: bool
 ) -> AsyncIterator[str]:
     """SGLang's stream: ``data: {json}`` events with the cumulative text, then ``data: [DONE]``."""
     index_of = {}
@@ -176,7 +185,7 @@ async def _stream(
     for i, r in enumerate(requests):
         for s in r.seqs:
             index_of[s.uid] = (r, i * n + s.index)
-    async for seq, event in state.merged_events(requests):
+    async for seq, event in state.merged_events(requests, http):
         req, index = index_of[seq.uid]
         if event.finished and seq.finish_reason.value == "error":
             yield f"data: {json.dumps(error_body(f'request {req.id} failed: {seq.error}', 'server_error'))}\n\n"

@@ -107,7 +107,8 @@ async def _serve(
     requests = state.submit(prompts, params, None, names)
     request.state.prompt_tokens = sum(len(p) for p in prompts)
     if stream:
-        return StreamingResponse(render.stream(state, requests, include_usage), media_type="text/event-stream")
+        stream = render.stream(state, request, requests, include_usage)
+        return StreamingResponse(stream, media_type="text/event-stream")
     try:
         outputs = await state.wait_all(request, requests)
     except RequestDisconnected:
@@ -145,10 +146,10 @@ class _Completions:
     def delta_choice(self, index: int, delta: str, finish: str | None) -> dict:
         return {"index": index, "text": delta, "logprobs": None, "finish_reason": finish}
 
-    async def stream(self, state: ServerState, requests, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(self, state: ServerState, http: Request, requests, include_usage: bool) -> AsyncIterator[str]:
         n = len(requests[0].seqs)
         prompt_index = {s.uid: i for i, r in enumerate(requests) for s in r.seqs}
-        async for seq, event in state.merged_events(requests):
+        async for seq, event in state.merged_events(requests, http):
             if event.finished and seq.finish_reason.value == "error":
                 body = error_body(f"request {seq.request_id} failed: {seq.error}", "server_error")
                 yield f"data: {json.dumps(body)}\n\n"

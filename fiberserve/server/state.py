@@ -102,7 +102,9 @@ class ServerState:
         finally:
             self.done(requests)
 
-    async def merged_events(self, requests: list[Request]) -> AsyncIterator[tuple[Sequence, SequenceEvent]]:
+    async def merged_events(
+        self, requests: list[Request], http: HttpRequest | None = None
+    ) -> AsyncIterator[tuple[Sequence, SequenceEvent]]:
         """Events of every sequence of ``requests`` as they happen; aborts the rest if the consumer stops."""
         seqs = [s for r in requests for s in r.seqs]
         queue: asyncio.Queue[tuple[Sequence, SequenceEvent]] = asyncio.Queue()
@@ -123,6 +125,8 @@ class ServerState:
                 task.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
             self.done(requests)
+            if http is not None:  # for the access log line
+                http.state.completion_tokens = sum(len(s.output_ids) for s in seqs)
 
 
 async def until_disconnected(http: HttpRequest, work: Awaitable[T]) -> T:

@@ -1,0 +1,88 @@
+"""A real fiberserve server process on 127.0.0.1 for the tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *flags: str, cache_dir: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"fiberserve-test-{self.port}.log"
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        command = [
+            sys.executable,
+            "-m",
+            "fiberserve.server",
+            "--port",
+            str(self.port),
+            "--cache-dir",
+            cache_dir,
+            "--no-progress",
+            *flags,
+        ]
+        self.proc = subprocess.Popen(
+            command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+        self.saw_503 = False
+
+    def wait_ready(self, timeout: float = 180) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                r = httpx.get(self.url + "/health", timeout=2)
+                if r.status_code == 200:
+                    return self
+                if r.status_code == 503:
+                    self.saw_503 = True
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"server not ready:\n{self.log_path.read_text()[-3000:]}")
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 300), **kw)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+    def server_info(self) -> dict:
+        return httpx.get(self.url + "/get_server_info", timeout=10).json()
+
+    def assert_idle(self, timeout: float = 5.0) -> dict:
+        """Every page free or cached, every fiber idle, nothing queued (waits up to ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.server_info()
+            pages, pool = info["kv_pages"], info["pool"]
+            idle = pages["used"] == 0 and pool["busy"] == 0 and pool["waiters"] == 0
+            if idle or time.monotonic() > deadline:
+                assert idle, f"not idle: pages {pages}, pool {pool}"
+                assert pages["free"] + pages["cached"] == pages["total"]
+                return info
+            time.sleep(0.05)

@@ -1,0 +1,302 @@
+"""Real clients against a real server process: the SGLang frontend, the openai package, httpx."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.integration.server_utils import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(cache_dir, model_path):
+    proc = ServerProcess("--fibers", "2", cache_dir=cache_dir).wait_ready()
+    yield proc
+    assert proc.stop() == 0
+
+
+def test_health_is_503_until_the_model_is_ready_and_sigterm_exits_cleanly(cache_dir, model_path):
+    proc = ServerProcess(cache_dir=cache_dir)
+    proc.wait_ready()
+    assert proc.saw_503, "health never said 503 while loading"
+    # a long streamed request in flight when SIGTERM arrives is finished (or aborted), then exit 0
+    events = []
+
+    def stream():
+        with httpx.stream(
+            "POST",
+            proc.url + "/generate",
+            timeout=120,
+            json={
+                "text": "Count to one hundred:",
+                "stream": True,
+                "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True},
+            },
+        ) as r:
+            events.extend(line for line in r.iter_lines() if line)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(1.0)
+    assert proc.stop(signal.SIGTERM) == 0
+    t.join(30)
+    assert events and events[-1] == "data: [DONE]"
+    last = json.loads(events[-2][5:])
+    assert last["meta_info"]["finish_reason"]["type"] in ("length", "abort")
+
+
+def test_config_file_keys_are_the_flags_and_flags_win(tmp_path, cache_dir, model_path):
+    config = tmp_path / "fiberserve.yaml"
+    config.write_text("fibers: 3\nmax-batch-tokens: 128\nserved_model_name: from-file\n")
+    proc = ServerProcess("--config", str(config), "--served-model-name", "from-flag", cache_dir=cache_dir)
+    try:
+        proc.wait_ready()
+        info = proc.server_info()
+        assert (info["fibers"], info["max_batch_tokens"], info["served_model_name"]) == (3, 128, "from-flag")
+    finally:
+        assert proc.stop() == 0
+
+
+def test_model_and_server_info(server):
+    with server.client() as c:
+        info = c.get("/get_model_info").json()
+        assert info["is_generation"] is True and info["model_path"].endswith(".gguf")
+        assert info["served_model_name"] == "SmolLM2-135M-Instruct"
+        assert c.get("/model_info").json() == info
+        assert c.get("/server_info").json()["fibers"] == 2
+        assert c.post("/flush_cache").json()["success"] is True
+        assert c.get("/health").json() == {"status": "ok"}
+
+
+def test_generate_list_of_8_equals_single_prompts(server):
+    prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(8)]
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with server.client() as c:
+        batched = c.post("/generate", json={"text": prompts, "sampling_params": params}).json()
+        assert isinstance(batched, list) and len(batched) == 8
+        for prompt, result in zip(prompts, batched, strict=True):
+            single = c.post("/generate", json={"text": prompt, "sampling_params": params}).json()
+            assert single["text"] == result["text"] and single["output_ids"] == result["output_ids"]
+            meta = result["meta_info"]
+            assert meta["completion_tokens"] == 12 and meta["finish_reason"] == {"type": "length", "length": 12}
+            assert meta["prompt_tokens"] > 0 and "cached_tokens" in meta and meta["id"]
+    server.assert_idle()
+
+
+def test_generate_input_ids_max_new_tokens_zero_unknown_and_null_keys(server, tokenizer):
+    ids = tokenizer.encode("Hello there")
+    with server.client() as c:
+        r = c.post(
+            "/generate",
+            json={
+                "input_ids": ids,
+                "rid": "my-request-1",
+                "sampling_params": {
+                    "max_new_tokens": 0,
+                    "regex": None,
+                    "json_schema": None,
+                    "frobnicate": 3,
+                    "top_k": None,
+                },
+            },
+        )
+        assert r.status_code == 200
+        body = r.json()
+        assert body["text"] == "" and body["output_ids"] == [] and body["meta_info"]["id"] == "my-request-1"
+        assert body["meta_info"]["finish_reason"]["type"] == "length"
+        # shortfin's max_completion_tokens is max_new_tokens
+        r = c.post("/generate", json={"text": "Hi", "sampling_params": {"max_completion_tokens": 3}}).json()
+        assert r["meta_info"]["completion_tokens"] == 3
+        lp = c.post(
+            "/generate",
+            json={
+                "text": "Hi",
+                "return_logprob": True,
+                "top_logprobs_num": 2,
+                "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+            },
+        ).json()
+        assert len(lp["meta_info"]["output_token_logprobs"]) == 3
+        assert all(len(top) == 2 for top in lp["meta_info"]["output_top_logprobs"])
+
+
+def test_generate_stream_parses_as_the_sglang_client_parses_it(server):
+    payload = {
+        "text": "The capital of France is",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 10, "temperature": 0},
+    }
+    with server.client() as c:
+        full = c.post("/generate", json={**payload, "stream": False}).json()
+        with c.stream("POST", "/generate", json=payload) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    pos, text, meta = 0, "", None
+    for chunk in lines:  # exactly what sglang.lang.backend.runtime_endpoint does
+        if chunk == "data: [DONE]":
+            break
+        data = json.loads(chunk[5:].strip("\n"))
+        text += data["text"][pos:]
+        pos += len(data["text"][pos:])
+        meta = data["meta_info"]
+    assert text == full["text"] and meta["finish_reason"] == full["meta_info"]["finish_reason"]
+
+
+def test_openai_client_models_completions_and_chat(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct"]
+    model = models.data[0].id
+
+    comp = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert comp.choices[0].text.startswith(" Paris") and comp.choices[0].finish_reason == "length"
+    assert comp.usage.completion_tokens == 8 and comp.usage.total_tokens == comp.usage.prompt_tokens + 8
+
+    stream = client.completions.create(
+        model=model,
+        prompt="The capital of France is",
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == comp.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 8
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=30, temperature=0)
+    assert "Paris" in chat.choices[0].message.content and chat.choices[0].finish_reason == "stop"
+    assert chat.choices[0].message.role == "assistant" and chat.usage.prompt_tokens > 10
+
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=30,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.total_tokens == chat.usage.total_tokens
+
+    many = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=10,
+        temperature=1.0,
+        n=3,
+        seed=11,
+        stop=["\n"],
+        logprobs=True,
+        top_logprobs=2,
+    )
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert all(len(c.logprobs.content) > 0 for c in many.choices)
+    again = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=10, temperature=1.0, n=3, seed=11, stop=["\n"]
+    )
+    assert [c.message.content for c in again.choices] == [c.message.content for c in many.choices]
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt="x", max_tokens=-1)
+    assert err.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    server.assert_idle()
+
+
+SGL_PROGRAM = """
+import json, sys
+import sglang as sgl
+
+@sgl.function
+def multi_turn_question(s, question_1, question_2):
+    s += sgl.system("You are a helpful assistant.")
+    s += sgl.user(question_1)
+    s += sgl.assistant(sgl.gen("answer_1", max_tokens=MAX_TOKENS))
+    s += sgl.user(question_2)
+    s += sgl.assistant(sgl.gen("answer_2", max_tokens=MAX_TOKENS))
+
+sgl.set_default_backend(sgl.RuntimeEndpoint(sys.argv[1]))
+questions = json.loads(sys.argv[2])
+temperature = json.loads(sys.argv[3])
+extra = {} if temperature is None else {"temperature": temperature}
+if sys.argv[4] == "batch":
+    states = multi_turn_question.run_batch(questions, **extra)
+else:
+    states = [multi_turn_question.run(**q, **extra) for q in questions]
+print(json.dumps([{"answer_1": s["answer_1"], "answer_2": s["answer_2"], "error": s.error()} for s in states]))
+"""
+
+
+def run_sgl(server, questions, temperature, mode, max_tokens):
+    import subprocess
+    import sys
+
+    program = SGL_PROGRAM.replace("MAX_TOKENS", str(max_tokens))
+    out = subprocess.run(
+        [sys.executable, "-c", program, server.url, json.dumps(questions), json.dumps(temperature), mode],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_original_report_sglang_run_batch(server):
+    """The program that first broke batch serving, unchanged: every answer non-empty, no error."""
+    questions = [
+        {"question_1": "What is the capital of the United States?", "question_2": "List two local attractions."},
+        {"question_1": "What is the capital of France?", "question_2": "What is the population of this city?"},
+    ]
+    states = run_sgl(server, questions, None, "batch", 256)
+    assert len(states) == 2
+    for s in states:
+        assert s["error"] is None
+        assert s["answer_1"].strip() and s["answer_2"].strip()
+        assert "!!!!" not in s["answer_1"] + s["answer_2"]
+    server.assert_idle()
+
+
+def test_sglang_16_conversations_batched_equal_one_at_a_time(server):
+    topics = [
+        "France",
+        "Japan",
+        "Brazil",
+        "Egypt",
+        "Canada",
+        "Italy",
+        "India",
+        "Kenya",
+        "Peru",
+        "Spain",
+        "Norway",
+        "Chile",
+        "Ghana",
+        "Nepal",
+        "Cuba",
+        "Iran",
+    ]
+    questions = [
+        {"question_1": f"What is the capital of {t}?", "question_2": "Name one famous landmark there."} for t in topics
+    ]
+    batched = run_sgl(server, questions, 0, "batch", 24)
+    alone = run_sgl(server, questions, 0, "sequential", 24)
+    assert batched == alone
+    assert all(s["answer_1"].strip() and s["answer_2"].strip() for s in batched)
+    server.assert_idle()
