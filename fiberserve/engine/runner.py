@@ -13,18 +13,14 @@ the flat batch, runs the forward pass and samples, all on the fiber's worker.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 import torch
 
+from fiberserve.engine.faults import FaultInjector
 from fiberserve.engine.sampler import sample
 from fiberserve.engine.sequence import Sequence, TokenLogprob
 from fiberserve.model.llama import ForwardBatch, KVCache, LlamaModel, SequenceSpan
-
-
-class InjectedFault(RuntimeError):
-    """A model invocation failed on purpose (``--fault-rate``)."""
 
 
 @dataclass
@@ -59,12 +55,11 @@ class FlightResult:
 class ModelRunner:
     """The per-fiber program instance: ``runner(flight) -> FlightResult``."""
 
-    def __init__(self, model: LlamaModel, cache: KVCache, threads: int | None, fault_rate: float = 0.0) -> None:
+    def __init__(self, model: LlamaModel, cache: KVCache, threads: int | None, faults: FaultInjector) -> None:
         self.model = model
         self.cache = cache
         self.page_size = cache.page_size
-        self.fault_rate = fault_rate
-        self._rng = random.Random()
+        self.faults = faults
         if threads:
             torch.set_num_threads(threads)  # per calling thread: this fiber's worker
         self._page_offsets = torch.arange(self.page_size)
@@ -95,8 +90,7 @@ class ModelRunner:
         )
 
     def __call__(self, flight: Flight) -> FlightResult:
-        if self.fault_rate and self._rng.random() < self.fault_rate:
-            raise InjectedFault("injected model fault (--fault-rate)")
+        self.faults.maybe_fail()
         batch = self.build_batch(flight)
         logits = self.model.forward(batch, self.cache)
         sampling = [item.seq for item in flight.items if item.samples]

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from fiberserve.config import EngineConfig
+from fiberserve.engine.faults import FaultInjector
 from fiberserve.engine.kvcache import PagePool
 from fiberserve.engine.runner import Flight, ModelRunner
 from fiberserve.engine.sampling_params import InvalidParameter, SamplingParams
@@ -120,9 +121,10 @@ class LlmService:
         self.kv_cache = KVCache(model.config, num_pages, config.page_size, model.dtype, model.device)
         self.pages = PagePool(num_pages, config.page_size, config.prefix_caching)
         self.scheduler = Scheduler(self.pages, config.max_running, config.max_batch_tokens)
+        self.faults = FaultInjector(config.fault_rate)
         threads = config.threads_per_fiber or max(1, (os.cpu_count() or 1) // config.fibers)
         self.program = Program(
-            lambda fiber: ModelRunner(self.model, self.kv_cache, threads, config.fault_rate),
+            lambda fiber: ModelRunner(self.model, self.kv_cache, threads, self.faults),
             Isolation(config.isolation),
             name="llama-forward",
         )

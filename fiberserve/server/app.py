@@ -11,11 +11,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fiberserve.config import ServerConfig
 from fiberserve.engine import LlmService
 from fiberserve.server import native_api, openai_api
-from fiberserve.server.errors import ApiError, handle_api_error, handle_unexpected, handle_validation_error
+from fiberserve.server.errors import (
+    ApiError,
+    handle_api_error,
+    handle_http_error,
+    handle_unexpected,
+    handle_validation_error,
+)
 from fiberserve.server.metrics import Metrics
 from fiberserve.server.middleware import GuardMiddleware
 from fiberserve.server.state import ServerState
@@ -46,6 +53,7 @@ def create_app(config: ServerConfig, service: LlmService | None = None) -> FastA
     app.add_exception_handler(ApiError, handle_api_error)
     app.add_exception_handler(RequestValidationError, handle_validation_error)
     app.add_exception_handler(Exception, handle_unexpected)
+    app.add_exception_handler(StarletteHTTPException, handle_http_error)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

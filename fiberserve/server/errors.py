@@ -61,6 +61,12 @@ async def handle_validation_error(request: Request, exc: RequestValidationError)
     return error_response(ApiError(400, message, field))
 
 
+async def handle_http_error(request: Request, exc) -> JSONResponse:
+    """Routing errors (404 unknown path, 405 wrong method) in the same shape as every other error."""
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind=kind))
+
+
 async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
     # Never a stack trace to the client; the log has it.
     import logging

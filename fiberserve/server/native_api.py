@@ -92,6 +92,24 @@ async def flush_cache(request: Request) -> dict:
     return {"success": True, "flushed_pages": dropped}
 
 
+@router.post("/debug/faults", include_in_schema=False)
+async def set_faults(request: Request) -> dict:
+    """Retune fault injection; exists only on a server started with --fault-rate (testing)."""
+    state = _state(request)
+    service = state.ready_service()
+    if not state.config.engine.fault_rate:
+        raise ApiError(404, "not found", kind="not_found_error")
+    try:
+        body = await request.json()
+        rate, hang = float(body.get("rate", 0.0)), float(body.get("hang_seconds", 0.0))
+    except (ValueError, TypeError, AttributeError):
+        raise ApiError(400, 'body: expected {"rate": float, "hang_seconds": float}', "body") from None
+    if not (0.0 <= rate <= 1.0 and 0.0 <= hang <= 60.0):
+        raise ApiError(400, "rate must be in [0, 1] and hang_seconds in [0, 60]", "rate")
+    service.faults.rate, service.faults.hang_seconds = rate, hang
+    return {"rate": rate, "hang_seconds": hang, "injected": service.faults.injected}
+
+
 def finish_reason(comp: CompletionOutput | Sequence) -> dict | None:
     comp = completion_of(comp) if isinstance(comp, Sequence) else comp
     if comp.finish_reason == "stop":

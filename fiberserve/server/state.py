@@ -16,6 +16,8 @@ from fiberserve.engine.sequence import Sequence, SequenceEvent
 from fiberserve.server.errors import ApiError, from_engine
 
 T = TypeVar("T")
+#: How often a stream with nothing to send checks whether its client is still there.
+DISCONNECT_POLL_S = 0.25
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:@/-]")
 
 
@@ -117,13 +119,22 @@ class ServerState:
         remaining = len(seqs)
         try:
             while remaining:
-                seq, event = await queue.get()
+                try:
+                    seq, event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+                except TimeoutError:
+                    seq = event = None
+                # A vanished client is noticed here, not by the next write (which servers may drop silently).
+                if http is not None and await http.is_disconnected():
+                    return
+                if event is None:
+                    continue
                 remaining -= event.finished
                 yield seq, event
         finally:
+            # No await in here: when the client vanished, Starlette cancels this generator through an anyio
+            # cancel scope that cancels every later await too, and the cleanup must still happen.
             for task in pumps:
                 task.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
             self.done(requests)
             if http is not None:  # for the access log line
                 http.state.completion_tokens = sum(len(s.output_ids) for s in seqs)

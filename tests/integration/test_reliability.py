@@ -1,0 +1,400 @@
+"""Bad input, overload, disconnects, faults, auth and a soak: nothing crashes, nothing leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.integration.server_utils import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(cache_dir, model_path):
+    proc = ServerProcess("--fibers", "2", "--max-body-bytes", "65536", cache_dir=cache_dir).wait_ready()
+    yield proc
+    assert proc.stop() == 0
+
+
+G = "/generate"
+C = "/v1/completions"
+CH = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def sp(**kw):
+    return {"text": "Hello", "sampling_params": kw}
+
+
+# (path, body (dict/list -> JSON, bytes -> raw), expected status, the field the error must name)
+BAD_INPUT = [
+    (G, b"{bad json", 400, "body"),
+    (G, b'{"text": "\xff\xfe\xfd"}', 400, "body"),
+    (G, b"", 400, "body"),
+    (G, [], 400, "body"),
+    (G, {}, 400, "text"),
+    (G, {"text": "a", "input_ids": [1]}, 400, "text"),
+    (G, {"text": 5}, 400, "text"),
+    (G, {"text": ""}, 400, "text"),
+    (G, {"text": []}, 400, "text"),
+    (G, {"input_ids": []}, 400, "input_ids"),
+    (G, {"input_ids": [-1]}, 400, "input_ids"),
+    (G, {"input_ids": [10**9]}, 400, "input_ids"),
+    (G, {"input_ids": ["a"]}, 400, "input_ids"),
+    (G, sp(max_new_tokens=-1), 400, "max_new_tokens"),
+    (G, sp(max_new_tokens="ten"), 400, "max_new_tokens"),
+    (G, sp(max_new_tokens=10**7), 400, "max_new_tokens"),
+    (G, sp(temperature=-0.5), 400, "temperature"),
+    (G, sp(top_p=0), 400, "top_p"),
+    (G, sp(top_p=1.5), 400, "top_p"),
+    (G, sp(top_k=-5), 400, "top_k"),
+    (G, sp(min_p=2), 400, "min_p"),
+    (G, sp(n=0), 400, "n"),
+    (G, sp(n=1000), 400, "n"),
+    (G, sp(stop=5), 400, "stop"),
+    (G, sp(stop=[""]), 400, "stop"),
+    (G, sp(stop_token_ids=[-3]), 400, "stop_token_ids"),
+    (G, sp(frequency_penalty=5), 400, "frequency_penalty"),
+    (G, sp(repetition_penalty=0), 400, "repetition_penalty"),
+    (G, sp(seed=-1), 400, "seed"),
+    (G, {"text": "a", "stream": "yes"}, 400, "stream"),
+    (G, {"text": "a", "sampling_params": "x"}, 400, "sampling_params"),
+    (G, {"text": ["a", "b"], "rid": ["only-one"]}, 400, "rid"),
+    (G, {"text": "a", "return_logprob": True, "top_logprobs_num": 100}, 400, "top_logprobs"),
+    (C, {"max_tokens": 2}, 400, "prompt"),
+    (C, {"prompt": ""}, 400, "prompt"),
+    (C, {"prompt": [[]]}, 400, "prompt"),
+    (C, {"prompt": "a", "max_tokens": -2}, 400, "max_tokens"),
+    (C, {"prompt": "a", "logprobs": 50}, 400, "logprobs"),
+    (C, {"prompt": "a", "n": 100}, 400, "n"),
+    (C, {"prompt": "a", "echo": True}, 400, "echo"),
+    (C, {"prompt": "a", "temperature": "hot"}, 400, "temperature"),
+    (C, {"prompt": "a", "model": "gpt-17"}, 404, "model"),
+    (CH, {"messages": []}, 400, "messages"),
+    (CH, {}, 400, "messages"),
+    (CH, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    (CH, {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400, "messages"),
+    (CH, {"messages": MSG, "top_logprobs": 30, "logprobs": True}, 400, "top_logprobs"),
+    (CH, {"messages": MSG, "stream_options": "x"}, 400, "stream_options"),
+    (CH, {"messages": MSG, "max_tokens": 10**7}, 400, "max_tokens"),
+    ("/nope", {}, 404, None),
+    (G, b"x" * 70000, 413, "body"),
+]
+
+
+def test_bad_input_gets_a_4xx_json_error_naming_the_field(server):
+    assert len(BAD_INPUT) >= 40
+    with server.client() as c:
+        for path, body, status, field in BAD_INPUT:
+            if isinstance(body, bytes):
+                r = c.post(path, content=body, headers={"content-type": "application/json"})
+            else:
+                r = c.post(path, json=body)
+            assert r.status_code == status, (path, body, r.status_code, r.text)
+            error = r.json()["error"]
+            assert error["message"] and "Traceback" not in r.text
+            if field:
+                assert field in (error["param"] or "") or field in error["message"], (path, body, error)
+        assert c.get(G).status_code == 405
+        # still serving correctly afterwards
+        ok = c.post(
+            G, json={"text": "The capital of France is", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+        )
+        assert ok.status_code == 200 and ok.json()["text"].startswith(" Paris")
+    server.assert_idle()
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-10, 10) | st.floats(-3, 3, allow_nan=False) | st.text(max_size=6),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3),
+    max_leaves=6,
+)
+sampling_keys = st.sampled_from(
+    [
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stop",
+        "n",
+        "seed",
+        "stop_token_ids",
+        "ignore_eos",
+        "frequency_penalty",
+        "presence_penalty",
+        "x",
+    ]
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    path=st.sampled_from([G, C, CH]),
+    prompt=st.one_of(json_values, st.just("Hi"), st.lists(st.integers(-2, 60000), max_size=4)),
+    params=st.dictionaries(sampling_keys, json_values, max_size=5),
+    stream=st.booleans(),
+)
+def test_fuzzed_bodies_never_get_a_5xx(server, path, prompt, params, stream):
+    params = dict(params)
+    if isinstance(params.get("max_new_tokens"), int | float) and not isinstance(params["max_new_tokens"], bool):
+        params["max_new_tokens"] = min(params["max_new_tokens"], 4)
+    params.setdefault("max_new_tokens", 2)
+    if path == G:
+        body = {"text" if isinstance(prompt, str) else "input_ids": prompt, "sampling_params": params, "stream": stream}
+    elif path == C:
+        body = {"prompt": prompt, **params, "max_tokens": params.pop("max_new_tokens"), "stream": stream}
+    else:
+        body = {
+            "messages": [{"role": "user", "content": prompt}],
+            **params,
+            "max_tokens": params.pop("max_new_tokens"),
+            "stream": stream,
+        }
+    with server.client(timeout=60) as c:
+        r = c.post(path, json=body)
+    assert r.status_code < 500, (body, r.status_code, r.text)
+    if r.status_code >= 400:
+        assert "error" in r.json()
+
+
+def test_metrics_and_no_cors_by_default(server):
+    with server.client() as c:
+        c.post(G, json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}})
+        r = c.get("/metrics")
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+        text = r.text
+        for name in [
+            "fiberserve_requests_total",
+            "fiberserve_prompt_tokens_total",
+            "fiberserve_generation_tokens_total",
+            "fiberserve_time_to_first_token_seconds_bucket",
+            "fiberserve_time_per_output_token_seconds",
+            "fiberserve_queue_depth",
+            "fiberserve_running_sequences",
+            'fiberserve_kv_pages{state="free"}',
+            'fiberserve_kv_pages{state="cached"}',
+            "fiberserve_prefix_cache_hit_rate",
+            'state="idle"',
+            "fiberserve_fiber_acquire_wait_seconds_total",
+        ]:
+            assert name in text, name
+        pre = c.options(G, headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in pre.headers
+
+
+def test_request_ids_are_sanitized_in_logs(server):
+    with server.client() as c:
+        r = c.post(G, json={"text": "Hi", "rid": "evil\nFAKE LOG LINE", "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 200
+    time.sleep(0.2)
+    assert "\nFAKE LOG LINE" not in server.log_path.read_text()
+
+
+async def _stream_then_leave(url: str, events: int) -> int:
+    async with httpx.AsyncClient(timeout=60) as c:
+        body = {
+            "text": "Tell me a long story about dragons.",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
+        }
+        seen = 0
+        async with c.stream("POST", url + G, json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    seen += 1
+                    if seen >= events:
+                        break  # leave: the connection closes with the stream unfinished
+        return seen
+
+
+def test_disconnecting_streaming_clients_free_their_pages(server):
+    async def main():
+        return await asyncio.gather(*(_stream_then_leave(server.url, 3) for _ in range(20)))
+
+    assert asyncio.run(main()) == [3] * 20
+    left = time.monotonic()
+    server.assert_idle(timeout=1.0)
+    assert time.monotonic() - left <= 1.5
+
+
+def test_disconnecting_non_streaming_client_aborts_its_request(server):
+    with pytest.raises(httpx.ReadTimeout), server.client(timeout=0.5) as c:
+        c.post(G, json={"text": "Write an essay.", "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}})
+    server.assert_idle(timeout=2.0)
+
+
+def test_overload_gets_fast_503s_and_loses_nothing(cache_dir, model_path):
+    proc = ServerProcess("--max-queue", "8", "--max-running", "8", "--fibers", "2", cache_dir=cache_dir).wait_ready()
+    try:
+        prompts = [f"Fact number {i % 5}:" for i in range(300)]
+        with proc.client() as c:
+            expected = {
+                p: c.post(
+                    G, json={"text": p, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+                ).json()["text"]
+                for p in set(prompts)
+            }
+
+        async def one(client, prompt):
+            started = time.monotonic()
+            r = await client.post(
+                G, json={"text": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+            )
+            return prompt, r, time.monotonic() - started
+
+        async def health_probe(client, stop):
+            worst = 0.0
+            while not stop.is_set():
+                t = time.monotonic()
+                assert (await client.get("/health")).status_code == 200
+                worst = max(worst, time.monotonic() - t)
+                await asyncio.sleep(0.05)
+            return worst
+
+        async def main():
+            limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
+            async with httpx.AsyncClient(base_url=proc.url, timeout=300, limits=limits) as client:
+                stop = asyncio.Event()
+                probe = asyncio.create_task(health_probe(client, stop))
+                results = await asyncio.gather(*(one(client, p) for p in prompts))
+                stop.set()
+                return results, await probe
+
+        results, worst_health = asyncio.run(main())
+        ok = [r for r in results if r[1].status_code == 200]
+        refused = [r for r in results if r[1].status_code != 200]
+        assert ok and refused, (len(ok), len(refused))
+        for prompt, r, _ in ok:
+            assert r.json()["text"] == expected[prompt]
+        for _, r, seconds in refused:
+            assert r.status_code == 503 and r.headers.get("retry-after") and r.json()["error"]["message"]
+            assert seconds < 5.0, seconds
+        assert worst_health < 5.0
+        proc.assert_idle(timeout=2.0)
+    finally:
+        assert proc.stop() == 0
+
+
+def test_fault_injection_fails_only_its_flights(cache_dir, model_path):
+    proc = ServerProcess("--fault-rate", "0.2", "--fibers", "2", "--invocation-timeout", "2", cache_dir=cache_dir)
+    proc.wait_ready()
+    try:
+        prompts = [f"Item {i}: the colour of the sky is" for i in range(40)]
+        params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+        async def run_all():
+            async with httpx.AsyncClient(base_url=proc.url, timeout=120) as client:
+                return await asyncio.gather(
+                    *(
+                        client.post(G, json={"text": p, "rid": f"req-{i}", "sampling_params": params})
+                        for i, p in enumerate(prompts)
+                    )
+                )
+
+        faulty = asyncio.run(run_all())
+        failed = [r for r in faulty if r.status_code == 500]
+        assert failed, "no invocation failed at a 20% fault rate"
+        for r in failed:
+            error = r.json()["error"]
+            assert error["type"] == "server_error" and "req-" in error["message"]
+        info = proc.assert_idle()
+        assert info["pool"]["size"] == 2 and info["flights_failed"] > 0
+        assert info["program_instances_built"] > 2  # failed instances were rebuilt
+        with proc.client() as c:
+            assert c.post("/debug/faults", json={"rate": 0}).status_code == 200
+        clean = asyncio.run(run_all())
+        assert all(r.status_code == 200 for r in clean)
+        reference = {i: r.json()["text"] for i, r in enumerate(clean)}
+        for i, r in enumerate(faulty):
+            if r.status_code == 200:
+                assert r.json()["text"] == reference[i]
+        # a hung invocation is bounded by --invocation-timeout; its fiber is replaced
+        with proc.client() as c:
+            c.post("/debug/faults", json={"rate": 1.0, "hang_seconds": 5})
+            started = time.monotonic()
+            hung = c.post(G, json={"text": "Hello", "sampling_params": params})
+            assert hung.status_code == 500 and time.monotonic() - started < 4.5
+            c.post("/debug/faults", json={"rate": 0})
+            assert c.post(G, json={"text": "Hello", "sampling_params": params}).status_code == 200
+        info = proc.assert_idle()
+        assert info["pool"]["size"] == 2 and info["pool"]["retired"] >= 1
+    finally:
+        assert proc.stop() == 0
+
+
+def test_api_key(cache_dir, model_path):
+    proc = ServerProcess("--api-key", "s3cret", cache_dir=cache_dir).wait_ready()
+    try:
+        with proc.client() as c:
+            assert c.get("/v1/models").status_code == 401
+            assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+            r = c.post(G, json={"text": "x"}, headers={"Authorization": "Bearer s3cret2"})
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+            assert c.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+            assert c.get("/health").status_code == 200
+            assert c.get("/metrics").status_code == 200
+    finally:
+        assert proc.stop() == 0
+
+
+def _rss_kib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_three_minute_mixed_soak(server):
+    """Streaming, non-streaming, aborted and batched requests for 3 minutes: no growth, no leaks."""
+    duration, warmup = 180.0, 30.0
+
+    async def worker(client: httpx.AsyncClient, k: int, until: float):
+        i = 0
+        while time.monotonic() < until:
+            i += 1
+            kind = (k + i) % 4
+            params = {"max_new_tokens": 8 + i % 8, "temperature": 0.7, "seed": i}
+            if kind == 0:
+                r = await client.post(G, json={"text": f"Soak {k} {i}", "sampling_params": params})
+                assert r.status_code == 200
+            elif kind == 1:
+                async with client.stream("POST", C, json={"prompt": f"Soak {i}", "max_tokens": 8, "stream": True}) as r:
+                    lines = [line async for line in r.aiter_lines() if line]
+                    assert lines[-1] == "data: [DONE]"
+            elif kind == 2:
+                try:  # abort: the client gives up
+                    await client.post(
+                        G, json={"text": "Go on", "sampling_params": {"max_new_tokens": 300}}, timeout=0.3
+                    )
+                except httpx.TimeoutException:
+                    pass
+            else:
+                r = await client.post(G, json={"text": [f"Batch {i} {j}" for j in range(3)], "sampling_params": params})
+                assert r.status_code == 200 and len(r.json()) == 3
+
+    async def phase(seconds: float):
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            until = time.monotonic() + seconds
+            await asyncio.gather(*(worker(client, k, until) for k in range(6)))
+
+    asyncio.run(phase(warmup))
+    server.assert_idle(timeout=3)
+    baseline_rss = _rss_kib(server.proc.pid)
+    baseline_tasks = server.server_info()["asyncio_tasks"]
+    asyncio.run(phase(duration - warmup))
+    info = server.assert_idle(timeout=3)
+    rss = _rss_kib(server.proc.pid)
+    print(f"soak: RSS {baseline_rss} -> {rss} KiB, asyncio tasks {baseline_tasks} -> {info['asyncio_tasks']}")
+    assert rss < baseline_rss * 1.10
+    assert info["asyncio_tasks"] <= baseline_tasks
+    assert info["active_requests"] == 0 and info["running_sequences"] == 0 and info["waiting_sequences"] == 0
+    assert json.loads(json.dumps(info))  # still answering
