@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -347,9 +348,10 @@ def test_api_key(cache_dir, model_path):
 
 
 def _rss_kib(pid: int) -> int:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
     raise AssertionError("no VmRSS")
 
 
@@ -371,12 +373,10 @@ def test_three_minute_mixed_soak(server):
                     lines = [line async for line in r.aiter_lines() if line]
                     assert lines[-1] == "data: [DONE]"
             elif kind == 2:
-                try:  # abort: the client gives up
+                with contextlib.suppress(httpx.TimeoutException):  # abort: the client gives up
                     await client.post(
                         G, json={"text": "Go on", "sampling_params": {"max_new_tokens": 300}}, timeout=0.3
                     )
-                except httpx.TimeoutException:
-                    pass
             else:
                 r = await client.post(G, json={"text": [f"Batch {i} {j}" for j in range(3)], "sampling_params": params})
                 assert r.status_code == 200 and len(r.json()) == 3
