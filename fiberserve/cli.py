@@ -50,6 +50,14 @@ HELP = {
 }
 
 
+CHOICES = {
+    "dtype": ["auto", "float32", "bfloat16"],
+    "isolation": ["per_fiber", "per_call", "none"],
+    "log_level": ["debug", "info", "warning", "error"],
+}
+SECRET = {"api_key"}
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -62,7 +70,11 @@ def _add_fields(parser: argparse.ArgumentParser, cls) -> None:
         hint = hints[f.name]
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         base = args[0] if args else hint
-        kwargs: dict = {"dest": f.name, "default": argparse.SUPPRESS, "help": HELP.get(f.name, "")}
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        shown = "" if f.name in SECRET or default is None else f" (default: {default})"
+        kwargs: dict = {"dest": f.name, "default": argparse.SUPPRESS, "help": HELP.get(f.name, "") + shown}
+        if f.name in CHOICES:
+            kwargs["choices"] = CHOICES[f.name]
         if base is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(base) is tuple:
@@ -123,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fiberserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="serve the HTTP APIs", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve = sub.add_parser("serve", help="serve the HTTP APIs")
     serve.add_argument("--config", help="a YAML or JSON file whose keys are these flags; flags win over it")
     _add_fields(serve, EngineConfig)
     _add_fields(serve, ServerConfig)

@@ -1,0 +1,243 @@
+"""A load generator for OpenAI-compatible and SGLang-native servers on this machine.
+
+Closed loop (``concurrency`` clients, each sending its next request when the
+last one returns) or open loop (requests arrive at ``rate`` per second, Poisson).
+Bounded by a request count and a time limit.  Only loopback targets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from urllib.parse import urlparse
+
+import httpx
+
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak tree near the river bank"
+    " and count every star in the quiet night sky"
+).split()
+
+
+def check_loopback(url: str) -> None:
+    """Refuse any target that is not this machine."""
+    host = urlparse(url).hostname or ""
+    if host == "localhost":
+        return
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return
+    except ValueError:
+        pass
+    raise SystemExit(f"refusing to load {url}: only loopback targets (127.0.0.0/8, ::1, localhost) are allowed")
+
+
+def make_prompts(count: int, words: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [f"Request {i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(count)]
+
+
+@dataclass
+class LoadSpec:
+    url: str
+    api: str = "openai"  # openai | sglang
+    model: str | None = None
+    concurrency: int = 1
+    rate: float | None = None  # requests/s, open loop; None = closed loop
+    requests: int = 64
+    duration_s: float = 120.0
+    prompt_words: int = 40
+    output_len: int = 64
+    ignore_eos: bool = True
+    stream: bool = False
+    fresh_connections: bool = False  # llama-server closes connections after a streamed response
+    seed: int = 0
+
+
+@dataclass
+class Sample:
+    ok: bool
+    latency: float
+    ttft: float | None
+    output_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class LoadResult:
+    spec: dict
+    wall_s: float
+    completed: int
+    errors: int
+    output_tokens: int
+    output_tokens_per_s: float
+    requests_per_s: float
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    tpot_p50_ms: float | None
+    tpot_p99_ms: float | None
+    e2e_p50_ms: float | None
+    e2e_p99_ms: float | None
+    first_errors: list[str] = field(default_factory=list)
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k] * 1000
+
+
+def _body(spec: LoadSpec, prompt: str) -> tuple[str, dict]:
+    if spec.api == "sglang":
+        return "/generate", {
+            "text": prompt,
+            "stream": spec.stream,
+            "sampling_params": {"max_new_tokens": spec.output_len, "temperature": 0, "ignore_eos": spec.ignore_eos},
+        }
+    body = {
+        "prompt": prompt,
+        "max_tokens": spec.output_len,
+        "temperature": 0,
+        "stream": spec.stream,
+        "ignore_eos": spec.ignore_eos,
+    }
+    if spec.model:
+        body["model"] = spec.model
+    if spec.stream:
+        body["stream_options"] = {"include_usage": True}
+    return "/v1/completions", body
+
+
+async def _one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str) -> Sample:
+    path, body = _body(spec, prompt)
+    started = time.perf_counter()
+    ttft = None
+    try:
+        if not spec.stream:
+            r = await client.post(path, json=body)
+            if r.status_code != 200:
+                return Sample(False, time.perf_counter() - started, None, 0, f"{r.status_code} {r.text[:200]}")
+            data = r.json()
+            tokens = (
+                data["meta_info"]["completion_tokens"] if spec.api == "sglang" else data["usage"]["completion_tokens"]
+            )
+            return Sample(True, time.perf_counter() - started, None, tokens)
+        tokens = 0
+        async with client.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                return Sample(False, time.perf_counter() - started, None, 0, f"{r.status_code}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                data = json.loads(line[5:])
+                if ttft is None:
+                    ttft = time.perf_counter() - started
+                if spec.api == "sglang":
+                    tokens = data["meta_info"]["completion_tokens"]
+                elif data.get("usage"):
+                    tokens = data["usage"]["completion_tokens"]
+                elif data.get("choices"):
+                    tokens += 1
+        return Sample(True, time.perf_counter() - started, ttft, tokens)
+    except (httpx.HTTPError, KeyError, ValueError) as exc:
+        return Sample(False, time.perf_counter() - started, ttft, 0, f"{type(exc).__name__}: {exc}")
+
+
+async def run_load(spec: LoadSpec) -> LoadResult:
+    """Run one load level and summarize it."""
+    check_loopback(spec.url)
+    prompts = make_prompts(spec.requests, spec.prompt_words, spec.seed)
+    limits = httpx.Limits(
+        max_connections=max(spec.concurrency, 1) * 2, max_keepalive_connections=0 if spec.fresh_connections else None
+    )
+    samples: list[Sample] = []
+    deadline = time.perf_counter() + spec.duration_s
+    queue = iter(prompts)
+    async with httpx.AsyncClient(base_url=spec.url, timeout=600, limits=limits) as client:
+        started = time.perf_counter()
+        if spec.rate:
+            rng = random.Random(spec.seed)
+            tasks = []
+            for prompt in prompts:
+                if time.perf_counter() > deadline:
+                    break
+                tasks.append(asyncio.create_task(_one(client, spec, prompt)))
+                await asyncio.sleep(rng.expovariate(spec.rate))
+            samples = list(await asyncio.gather(*tasks))
+        else:
+
+            async def client_loop() -> None:
+                for prompt in queue:
+                    if time.perf_counter() > deadline:
+                        return
+                    samples.append(await _one(client, spec, prompt))
+
+            await asyncio.gather(*(client_loop() for _ in range(spec.concurrency)))
+        wall = time.perf_counter() - started
+    ok = [s for s in samples if s.ok]
+    out_tokens = sum(s.output_tokens for s in ok)
+    tpots = [(s.latency - s.ttft) / (s.output_tokens - 1) for s in ok if s.ttft is not None and s.output_tokens > 1]
+    return LoadResult(
+        spec=asdict(spec),
+        wall_s=wall,
+        completed=len(ok),
+        errors=len(samples) - len(ok),
+        output_tokens=out_tokens,
+        output_tokens_per_s=out_tokens / wall if wall else 0.0,
+        requests_per_s=len(ok) / wall if wall else 0.0,
+        ttft_p50_ms=_percentile([s.ttft for s in ok if s.ttft is not None], 50),
+        ttft_p99_ms=_percentile([s.ttft for s in ok if s.ttft is not None], 99),
+        tpot_p50_ms=_percentile(tpots, 50),
+        tpot_p99_ms=_percentile(tpots, 99),
+        e2e_p50_ms=_percentile([s.latency for s in ok], 50),
+        e2e_p99_ms=_percentile([s.latency for s in ok], 99),
+        first_errors=[s.error for s in samples if not s.ok][:3],
+    )
+
+
+def summarize(results: list[LoadResult]) -> str:
+    """A markdown table of load levels."""
+    lines = [
+        "| C | rate | ok | err | out tok/s | req/s | TTFT p50/p99 ms | TPOT p50/p99 ms | e2e p50/p99 ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def f(x):
+        return "-" if x is None else f"{x:.0f}"
+
+    for r in results:
+        s = r.spec
+        lines.append(
+            f"| {s['concurrency']} | {s['rate'] or '-'} | {r.completed} | {r.errors} | "
+            f"{r.output_tokens_per_s:.1f} | {r.requests_per_s:.2f} | {f(r.ttft_p50_ms)}/{f(r.ttft_p99_ms)} | "
+            f"{f(r.tpot_p50_ms)}/{f(r.tpot_p99_ms)} | {f(r.e2e_p50_ms)}/{f(r.e2e_p99_ms)} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(series: dict[str, list[LoadResult]], path: str) -> None:
+    """Throughput and p50 latency against concurrency, one line per server."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, results in series.items():
+        cs = [r.spec["concurrency"] for r in results]
+        a.plot(cs, [r.output_tokens_per_s for r in results], marker="o", label=name)
+        b.plot(cs, [r.e2e_p50_ms or 0 for r in results], marker="o", label=name)
+    for ax, title in ((a, "output tokens/s"), (b, "end-to-end latency p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
