@@ -16,7 +16,7 @@ from fiberserve.engine.sequence import Sequence
 from fiberserve.engine.service import CompletionOutput, completion_of
 from fiberserve.server.errors import ApiError, error_body
 from fiberserve.server.protocol import GenerateRequest
-from fiberserve.server.state import RequestDisconnected, ServerState
+from fiberserve.server.state import ServerState
 
 router = APIRouter()
 
@@ -157,14 +157,6 @@ def _prompts(state: ServerState, body: GenerateRequest) -> tuple[list[list[int]]
     return prompts, batched
 
 
-def _failed(requests: list[EngineRequest]) -> ApiError | None:
-    for r in requests:
-        for s in r.seqs:
-            if s.finish_reason is not None and s.finish_reason.value == "error":
-                return ApiError(500, f"request {r.id} failed: {s.error}", kind="server_error")
-    return None
-
-
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> Response:
     state = _state(request)
@@ -183,13 +175,9 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     if body.stream:
         stream = _stream(state, request, requests, logprob, started, many)
         return StreamingResponse(stream, media_type="text/event-stream")
-    try:
-        outputs = await state.wait_all(request, requests)
-    except RequestDisconnected:
-        return Response(status_code=499)
-    if error := _failed(requests):
-        raise error
-    request.state.completion_tokens = sum(o.completion_tokens for o in outputs)
+    outputs = await state.collect(request, requests)
+    if outputs is None:
+        return Response(status_code=499)  # the client left; nobody reads this
     results = [_result(r, c, logprob, started) for r, o in zip(requests, outputs, strict=True) for c in o.outputs]
     return JSONResponse(results if many else results[0])
 

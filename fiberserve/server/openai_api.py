@@ -16,9 +16,8 @@ from fiberserve.engine import Request as EngineRequest
 from fiberserve.engine.sequence import TokenLogprob
 from fiberserve.engine.service import CompletionOutput
 from fiberserve.server.errors import ApiError, error_body, from_engine
-from fiberserve.server.native_api import _failed
 from fiberserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from fiberserve.server.state import RequestDisconnected, ServerState
+from fiberserve.server.state import ServerState
 
 router = APIRouter(prefix="/v1")
 
@@ -109,13 +108,9 @@ async def _serve(
     if stream:
         stream = render.stream(state, request, requests, include_usage)
         return StreamingResponse(stream, media_type="text/event-stream")
-    try:
-        outputs = await state.wait_all(request, requests)
-    except RequestDisconnected:
-        return Response(status_code=499)
-    if error := _failed(requests):
-        raise error
-    request.state.completion_tokens = sum(o.completion_tokens for o in outputs)
+    outputs = await state.collect(request, requests)
+    if outputs is None:
+        return Response(status_code=499)  # the client left; nobody reads this
     n = params.n
     choices = [render.choice(state, i * n + c.index, c) for i, o in enumerate(outputs) for c in o.outputs]
     return JSONResponse(render.body(state, requests, choices))

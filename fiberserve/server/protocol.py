@@ -20,9 +20,9 @@ class Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class NativeSamplingParams(Lenient):
-    max_new_tokens: Int | None = None
-    max_completion_tokens: Int | None = None  # shortfin's name for max_new_tokens
+class SamplingFields(Lenient):
+    """The sampling keys every API shares, under the same names."""
+
     temperature: Float | None = None
     top_p: Float | None = None
     top_k: Int | None = None
@@ -33,9 +33,19 @@ class NativeSamplingParams(Lenient):
     stop: str | list[str] | None = None
     stop_token_ids: list[Int] | None = None
     ignore_eos: StrictBool | None = None
-    skip_special_tokens: StrictBool | None = None
     n: Int | None = None
     seed: Int | None = None
+
+    def shared_values(self) -> dict[str, Any]:
+        values = {name: getattr(self, name) for name in SamplingFields.model_fields}
+        values["stop"] = _stops(self.stop)
+        return values
+
+
+class NativeSamplingParams(SamplingFields):
+    max_new_tokens: Int | None = None
+    max_completion_tokens: Int | None = None  # shortfin's name for max_new_tokens
+    skip_special_tokens: StrictBool | None = None
     sampling_seed: Int | None = None  # SGLang's name for seed
 
 
@@ -67,22 +77,14 @@ class GenerateRequest(Lenient):
 
     def params(self) -> SamplingParams:
         sp = self.sampling_params or NativeSamplingParams()
+        values = sp.shared_values()
+        if values["seed"] is None:
+            values["seed"] = sp.sampling_seed
         return build_params(
             {"max_new_tokens": 128, "temperature": 1.0},
+            **values,
             max_new_tokens=sp.max_new_tokens if sp.max_new_tokens is not None else sp.max_completion_tokens,
-            temperature=sp.temperature,
-            top_p=sp.top_p,
-            top_k=sp.top_k,
-            min_p=sp.min_p,
-            repetition_penalty=sp.repetition_penalty,
-            frequency_penalty=sp.frequency_penalty,
-            presence_penalty=sp.presence_penalty,
-            stop=_stops(sp.stop),
-            stop_token_ids=sp.stop_token_ids,
-            ignore_eos=sp.ignore_eos,
             skip_special_tokens=sp.skip_special_tokens,
-            n=sp.n,
-            seed=sp.seed if sp.seed is not None else sp.sampling_seed,
             logprobs=self.return_logprob,
             top_logprobs=self.top_logprobs_num if self.return_logprob else None,
         )
@@ -92,40 +94,16 @@ class StreamOptions(Lenient):
     include_usage: StrictBool | None = None
 
 
-class OpenAICommon(Lenient):
+class OpenAICommon(SamplingFields):
     model: str | None = None
-    temperature: Float | None = None
-    top_p: Float | None = None
-    n: Int | None = None
-    stop: str | list[str] | None = None
-    seed: Int | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Float | None = None
-    frequency_penalty: Float | None = None
-    # vLLM / SGLang extensions
-    top_k: Int | None = None
-    min_p: Float | None = None
-    repetition_penalty: Float | None = None
-    ignore_eos: StrictBool | None = None
-    stop_token_ids: list[Int] | None = None
 
     def _params(self, max_tokens: int | None, logprobs: bool, top_logprobs: int | None) -> SamplingParams:
         return build_params(
             {"max_new_tokens": 16 if isinstance(self, CompletionRequest) else 512, "temperature": 1.0},
+            **self.shared_values(),
             max_new_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
-            stop=_stops(self.stop),
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            n=self.n,
-            seed=self.seed,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
         )

@@ -104,6 +104,19 @@ class ServerState:
         finally:
             self.done(requests)
 
+    async def collect(self, http: HttpRequest, requests: list[Request]) -> list[RequestOutput] | None:
+        """Outputs of ``requests`` once all are done; None if the client left; ApiError 500 if one failed."""
+        try:
+            outputs = await self.wait_all(http, requests)
+        except RequestDisconnected:
+            return None
+        for r in requests:
+            for s in r.seqs:
+                if s.finish_reason is not None and s.finish_reason.value == "error":
+                    raise ApiError(500, f"request {r.id} failed: {s.error}", kind="server_error")
+        http.state.completion_tokens = sum(o.completion_tokens for o in outputs)
+        return outputs
+
     async def merged_events(
         self, requests: list[Request], http: HttpRequest | None = None
     ) -> AsyncIterator[tuple[Sequence, SequenceEvent]]:

@@ -268,8 +268,9 @@ def test_the_original_report_sglang_run_batch(server):
     assert len(states) == 2
     for s in states:
         assert s["error"] is None
-        assert s["answer_1"].strip() and s["answer_2"].strip()
-        assert "!!!!" not in s["answer_1"] + s["answer_2"]
+        for answer in (s["answer_1"], s["answer_2"]):
+            # sampled at the frontend's default temperature 1.0: any text, but never a run of one character
+            assert answer.strip() and len(set(answer.strip())) > 1, answer
     server.assert_idle()
 
 
