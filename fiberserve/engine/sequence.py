@@ -7,7 +7,6 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -76,7 +75,8 @@ class Sequence:
         self.error: str | None = None
         self.logprobs: list[TokenLogprob] = []
         self.detokenizer = detokenizer
-        self.text = ""  #: text released to the consumer (stop strings held back until decided)
+        self.text = ""  #: text released to the consumer
+        self.held = ""  #: text not yet released: it may be the start of a stop string
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
         self.max_tokens = min(params.max_new_tokens, max_context - len(prompt_ids))
         self.generator = torch.Generator()
@@ -89,7 +89,6 @@ class Sequence:
         self.finish_time: float | None = None
         self.preemptions = 0
         self.events: asyncio.Queue[SequenceEvent] = asyncio.Queue()
-        self.extra: dict[str, Any] = {}
 
     @property
     def tokens(self) -> list[int]:
@@ -112,7 +111,7 @@ class Sequence:
 
 def _release_text(seq: Sequence, piece: str, final: bool) -> str:
     """Add ``piece`` to the pending text; return what may be shown now (stop strings held back)."""
-    pending = seq.extra.get("pending", "") + piece
+    pending = seq.held + piece
     start = len(seq.text)
     full = seq.text + pending
     stops = seq.params.stop
@@ -122,17 +121,17 @@ def _release_text(seq: Sequence, piece: str, final: bool) -> str:
         if hits:
             index, matched = min(hits)
             seq.finish_reason, seq.matched_stop = FinishReason.STOP, matched
-            seq.extra["pending"] = ""
+            seq.held = ""
             released = full[start:index]
             seq.text = full[:index]
             return released
         if not final:
             hold = max(len(s) for s in stops) - 1
             cut = max(start, len(full) - hold)
-            seq.extra["pending"] = full[cut:]
+            seq.held = full[cut:]
             seq.text = full[:cut]
             return full[start:cut]
-    seq.extra["pending"] = ""
+    seq.held = ""
     seq.text = full
     return pending
 

@@ -32,7 +32,7 @@ from fiberserve.model.assets import DEFAULT_MODEL_NAME, default_model_path
 from fiberserve.model.llama import KVCache, LlamaModel
 from fiberserve.model.loader import load_checkpoint
 from fiberserve.model.tokenizer import Tokenizer, load_tokenizer
-from fiberserve.runtime import Fiber, FiberPool, Isolation, Program
+from fiberserve.runtime import FiberPool, Isolation, Program
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class LlmService:
     async def _fly(self, flight: Flight) -> None:
         try:
             async with self.pool.acquire() as fiber:
-                result = await self._invoke(fiber, flight)
+                result = await self.program.invoke(fiber, flight, timeout=self.config.invocation_timeout)
         except BaseException as exc:
             self.flights_failed += 1
             log.warning("flight of %d sequences failed: %r", len(flight.items), exc)
@@ -197,9 +197,6 @@ class LlmService:
         finally:
             self._flights.discard(asyncio.current_task())
             self._wake.set()
-
-    async def _invoke(self, fiber: Fiber, flight: Flight):
-        return await self.program.invoke(fiber, flight, timeout=self.config.invocation_timeout)
 
     # ------------------------------------------------------------------ requests
 

@@ -63,13 +63,9 @@ class ServerState:
         rids: list[str] | None,
         rename: dict[str, str] | None = None,
     ) -> list[Request]:
-        """Submit every prompt or none: a refusal of one aborts those already queued."""
+        """Submit every prompt or none: a refusal of one aborts those already queued (nothing ran yet:
+        no await separates the submissions)."""
         service = self.ready_service()
-        for ids in prompts:  # validate all first, so a bad prompt queues nothing
-            try:
-                service.validate(ids, params)
-            except Exception as exc:
-                raise from_engine(exc, rename) from None
         requests: list[Request] = []
         try:
             for i, ids in enumerate(prompts):

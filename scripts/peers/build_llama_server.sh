@@ -10,7 +10,7 @@ if [ -x "$DEST/build/bin/llama-server" ]; then echo "$DEST/build/bin/llama-serve
 mkdir -p "$CACHE/peers"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-python3 -m pip download --no-deps --no-binary :all: --no-build-isolation -d "$tmp" "llama-cpp-python==$VERSION"
+python3 -m pip download --no-deps --no-binary :all: -d "$tmp" "llama-cpp-python==$VERSION"
 tar -xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp"
 rm -rf "$DEST"
 mv "$tmp"/llama_cpp_python-*/vendor/llama.cpp "$DEST"
