@@ -74,7 +74,7 @@ class ModelRunner:
         for item in flight.items:
             end = item.start + item.length
             slots = self._slots(item.pages, end)
-            tokens.extend(item.seq.tokens[item.start : end])
+            tokens.extend(item.seq.token_slice(item.start, end))
             positions.append(torch.arange(item.start, end))
             write_slots.append(slots[item.start : end])
             spans.append(SequenceSpan(row, item.length, end, slots))

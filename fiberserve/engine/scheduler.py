@@ -132,7 +132,10 @@ class Scheduler:
             seq = item.seq
             seq.in_flight = False
             seq.num_computed = item.start + item.length
-            seq.registered_pages = self.pages.register(seq.pages, seq.tokens[: seq.num_computed], seq.registered_pages)
+            if seq.num_computed // self.pages.page_size > seq.registered_pages:  # a page just filled up
+                seq.registered_pages = self.pages.register(
+                    seq.pages, seq.tokens[: seq.num_computed], seq.registered_pages
+                )
             if seq.abort_requested:
                 self.finish(seq, FinishReason.ABORT)
             elif sampled is not None:

@@ -94,6 +94,13 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``tokens[start:end]`` without building the whole list (the hot path asks for the last few)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:end] + self.output_ids[: max(0, end - n)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

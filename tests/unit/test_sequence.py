@@ -1,0 +1,67 @@
+"""A sequence's own rules: stop tokens, stop strings across pieces, length, and its token slices (no model)."""
+
+from __future__ import annotations
+
+import random
+
+from fiberserve.engine.sampling_params import SamplingParams
+from fiberserve.engine.sequence import FinishReason, Sequence, append_token
+from fiberserve.model.tokenizer import IncrementalDetokenizer
+
+
+class CharTokenizer:
+    """Token id i is the character chr(i)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def make(params: SamplingParams, prompt=(97,)) -> Sequence:
+    tok = CharTokenizer()
+    return Sequence("r", 0, list(prompt), params, IncrementalDetokenizer(tok, list(prompt)), frozenset({3}), 100)
+
+
+def feed(seq: Sequence, text: str) -> list[str]:
+    deltas = []
+    for ch in text:
+        event = append_token(seq, ord(ch), None)
+        deltas.append(event.delta)
+        if event.finished:
+            break
+    return deltas
+
+
+def test_stop_string_spanning_tokens_is_cut_and_never_streamed():
+    seq = make(SamplingParams(max_new_tokens=50, stop=["END"]))
+    deltas = feed(seq, "hello ENDgame")
+    assert seq.finish_reason is FinishReason.STOP and seq.matched_stop == "END"
+    assert seq.text == "hello " and "".join(deltas) == "hello "
+    assert all("E" not in d for d in deltas)  # the stop text was held back, never shown
+
+
+def test_held_back_text_is_released_when_it_is_not_a_stop():
+    seq = make(SamplingParams(max_new_tokens=8, stop=["xyz"]))
+    deltas = feed(seq, "abcxyabc")
+    assert seq.finish_reason is FinishReason.LENGTH
+    assert "".join(deltas) == seq.text == "abcxyabc"
+
+
+def test_stop_token_contributes_no_text_and_eos_can_be_ignored():
+    seq = make(SamplingParams(max_new_tokens=10))
+    feed(seq, "ab\x03cd")
+    assert (seq.text, seq.finish_reason, seq.matched_stop) == ("ab", FinishReason.STOP, 3)
+    seq = make(SamplingParams(max_new_tokens=4, ignore_eos=True))
+    feed(seq, "ab\x03cd")
+    assert seq.finish_reason is FinishReason.LENGTH and len(seq.output_ids) == 4
+
+
+def test_token_slice_equals_slicing_all_tokens():
+    rng = random.Random(3)
+    seq = make(SamplingParams())
+    for _ in range(3000):
+        seq.prompt_ids = [rng.randrange(50) for _ in range(rng.randrange(1, 12))]
+        seq.output_ids = [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
+        full = seq.prompt_ids + seq.output_ids
+        a = rng.randrange(len(full))
+        b = rng.randrange(a, len(full) + 1)
+        assert seq.token_slice(a, b) == full[a:b]
