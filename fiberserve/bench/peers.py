@@ -135,14 +135,47 @@ def vllm_server(port: int, hf_dir: str, peers_dir: Path, max_seqs: int) -> PeerS
 
 
 def write_hf_directory(gguf: str, target: Path) -> Path:
-    """The GGUF model dequantized into a Hugging Face directory (what vLLM serves)."""
+    """The GGUF model dequantized into a Hugging Face directory (what vLLM serves), written by our own loader
+    (transformers refuses to save a model it loaded from GGUF)."""
     if (target / "config.json").exists():
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import json
 
-    path = Path(gguf)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model.save_pretrained(str(target))
-    tokenizer.save_pretrained(str(target))
+    import torch
+    from safetensors.torch import save_file
+
+    from fiberserve.model.loader import load_checkpoint
+    from fiberserve.model.tokenizer import load_tokenizer
+
+    ck = load_checkpoint(gguf, progress=False)
+    c = ck.config
+    target.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM" if c.architecture == "llama" else "Qwen2ForCausalLM"],
+        "model_type": c.architecture,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling,
+        "max_position_embeddings": c.max_position_embeddings,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_ids[0] if c.eos_token_ids else None,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+    }
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    weights = {
+        k: v.to(torch.bfloat16).contiguous()
+        for k, v in ck.weights.items()
+        if not (c.tie_word_embeddings and k == "lm_head.weight")
+    }
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    load_tokenizer(gguf, None).hf.save_pretrained(str(target))
     return target
