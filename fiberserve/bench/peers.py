@@ -130,7 +130,7 @@ def vllm_server(port: int, hf_dir: str, peers_dir: Path, max_seqs: int) -> PeerS
         port,
         model="smollm2",
         version=f"vllm {version}",
-        env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "all"},
+        env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"},
     )
 
 
