@@ -23,6 +23,7 @@ HELP = {
     "cache_dir": "where the default model and converted tokenizers are cached ($FIBERSERVE_CACHE)",
     "device": "cpu, cuda or cuda:N",
     "dtype": "float32, bfloat16, or auto (bfloat16 where the hardware computes it natively)",
+    "quantization": "none, or int4: weight-only int4 decoder layers on CPU (faster for one to a few sequences)",
     "fibers": "fibers in the pool = model invocations (flights) that may run at once",
     "threads_per_fiber": "torch threads per fiber (default: CPU cores / fibers)",
     "isolation": "program isolation: per_fiber (one instance per fiber), per_call, or none",
@@ -52,6 +53,7 @@ HELP = {
 
 CHOICES = {
     "dtype": ["auto", "float32", "bfloat16"],
+    "quantization": ["none", "int4"],
     "isolation": ["per_fiber", "per_call", "none"],
     "log_level": ["debug", "info", "warning", "error"],
 }

@@ -26,6 +26,8 @@ class EngineConfig:
     device: str = "cpu"
     #: "float32", "bfloat16" or "auto" (bfloat16 where the CPU/GPU computes it natively).
     dtype: str = "auto"
+    #: "none", or "int4": weight-only int4 decoder layers (CPU; faster for a few sequences, slower for many).
+    quantization: str = "none"
     #: Fibers in the pool: flights that may run at once.
     fibers: int = 1
     #: Torch threads each fiber's worker uses (None: the machine's cores divided among the fibers).

@@ -162,7 +162,7 @@ class LlmService:
         dtype = resolve_dtype(config.dtype, config.device)
         with _one_intra_op_thread():
             checkpoint = load_checkpoint(path, progress=config.progress)
-            model = LlamaModel(checkpoint, dtype=dtype, device=config.device)
+            model = LlamaModel(checkpoint, dtype=dtype, device=config.device, quantization=config.quantization)
             tokenizer = load_tokenizer(path, config.cache_dir, checkpoint.config.eos_token_ids)
             return cls(config, model, tokenizer, path)
 

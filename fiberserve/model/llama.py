@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from fiberserve.model.config import ModelConfig
-from fiberserve.model.linear import Linear
+from fiberserve.model.linear import Linear, make_linear
 from fiberserve.model.loader import Checkpoint
 
 #: Key buffers are padded to a multiple of this many positions (see module docstring).
@@ -172,7 +172,9 @@ def _rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None) -> to
 
 
 class _Layer:
-    def __init__(self, w: dict[str, torch.Tensor], i: int, config: ModelConfig, dtype, device) -> None:
+    def __init__(
+        self, w: dict[str, torch.Tensor], i: int, config: ModelConfig, dtype, device, quantization: str
+    ) -> None:
         p = f"model.layers.{i}."
 
         def get(name: str) -> torch.Tensor:
@@ -183,16 +185,24 @@ class _Layer:
         qkv_bias = None
         if config.attention_bias:
             qkv_bias = torch.cat([get(f"self_attn.{x}_proj.bias") for x in "qkv"])
-        self.qkv = Linear(torch.cat([get(f"self_attn.{x}_proj.weight") for x in "qkv"]).contiguous(), qkv_bias)
-        self.o = Linear(get("self_attn.o_proj.weight"))
-        self.gate_up = Linear(torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]).contiguous())
-        self.down = Linear(get("mlp.down_proj.weight"))
+        qkv = torch.cat([get(f"self_attn.{x}_proj.weight") for x in "qkv"]).contiguous()
+        self.qkv = make_linear(qkv, qkv_bias, quantization)
+        self.o = make_linear(get("self_attn.o_proj.weight"), quantization=quantization)
+        gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]).contiguous()
+        self.gate_up = make_linear(gate_up, quantization=quantization)
+        self.down = make_linear(get("mlp.down_proj.weight"), quantization=quantization)
 
 
 class LlamaModel:
     """Weights plus the forward pass; stateless between calls (the KV cache is passed in)."""
 
-    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype = torch.float32, device="cpu") -> None:
+    def __init__(
+        self, checkpoint: Checkpoint, dtype: torch.dtype = torch.float32, device="cpu", quantization: str = "none"
+    ) -> None:
+        """``quantization="int4"``: the decoder layers' weights in int4 (CPU only; see :class:`.Int4Linear`);
+        embeddings, norms and the output head stay in ``dtype``."""
+        if quantization != "none" and torch.device(device).type != "cpu":
+            raise ValueError(f"quantization {quantization!r} runs on CPU only")
         config = checkpoint.config
         w = checkpoint.weights
         self.config = config
@@ -203,7 +213,8 @@ class LlamaModel:
         self.lm_head = self.embed if head is None or config.tie_word_embeddings else head.to(self.device, dtype)
         self.logits = Linear(self.lm_head.contiguous())
         self.norm = w["model.norm.weight"].to(device=self.device, dtype=dtype)
-        self.layers = [_Layer(w, i, config, dtype, self.device) for i in range(config.num_layers)]
+        self.quantization = quantization
+        self.layers = [_Layer(w, i, config, dtype, self.device, quantization) for i in range(config.num_layers)]
         inv_freq = _rope_inv_freq(config, checkpoint.rope_freq_factors).to(self.device)
         positions = torch.arange(config.max_position_embeddings, device=self.device, dtype=torch.float32)
         angles = torch.outer(positions, inv_freq)

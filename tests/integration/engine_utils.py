@@ -30,14 +30,15 @@ QUESTIONS = [
     "Why is the sky blue?",
 ]
 
-_models: dict[tuple[str, str], LlamaModel] = {}
+_models: dict[tuple[str, str, str], LlamaModel] = {}
 
 
-def load_model(model_path: str, dtype: str) -> LlamaModel:
-    key = (model_path, dtype)
+def load_model(model_path: str, dtype: str, quantization: str = "none") -> LlamaModel:
+    key = (model_path, dtype, quantization)
     if key not in _models:
         torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
-        _models[key] = LlamaModel(load_checkpoint(model_path, progress=False), dtype=torch_dtype)
+        checkpoint = load_checkpoint(model_path, progress=False)
+        _models[key] = LlamaModel(checkpoint, dtype=torch_dtype, quantization=quantization)
     return _models[key]
 
 
@@ -51,9 +52,8 @@ class Engine:
 
     def service(self, dtype: str = "bfloat16", **config) -> LlmService:
         config.setdefault("progress", False)
-        return LlmService(
-            EngineConfig(dtype=dtype, **config), load_model(self.model_path, dtype), self.tokenizer, self.model_path
-        )
+        model = load_model(self.model_path, dtype, config.get("quantization", "none"))
+        return LlmService(EngineConfig(dtype=dtype, **config), model, self.tokenizer, self.model_path)
 
     async def run(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], dtype: str = "bfloat16", **config

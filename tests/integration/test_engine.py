@@ -55,6 +55,15 @@ async def test_batch_consistency_bfloat16(engine):
     assert identical == 32
 
 
+async def test_int4_weights_are_batch_invariant_and_still_answer(engine):
+    """--quantization int4 uses one kernel at every batch size, so batching changes no token."""
+    prompts = engine.chat_prompts(8)
+    alone = await engine.alone(prompts, GREEDY, quantization="int4")
+    batched = await engine.run(prompts, GREEDY, quantization="int4", max_batch_tokens=64)
+    assert [a.outputs[0].token_ids for a in alone] == [b.outputs[0].token_ids for b in batched]
+    assert alone[0].outputs[0].text.startswith("The capital of France is Paris")
+
+
 async def test_prefix_sharing_gives_identical_outputs_and_reports_cached_tokens(engine):
     system = "You are a meticulous assistant. " * 12
     prompts = [

@@ -146,3 +146,20 @@ def test_prefill_chunks_and_decode_steps_in_one_call(tiny_dirs):
     second = model.forward(prefill_batch([(a, pa), (b, pb)], start=[13, 6]), cache)
     torch.testing.assert_close(second[: len(a) - 13], ref_a[13:], atol=1e-4, rtol=0)
     torch.testing.assert_close(second[-1], ref_b[-1], atol=1e-4, rtol=0)
+
+
+def test_int4_linear_recovers_q4_1_blocks_and_is_row_invariant():
+    """Weights built like llama.cpp's Q4_1 blocks (min + step * q, q from 0 to 15) survive int4 exactly."""
+    from fiberserve.model.linear import INT4_GROUP, Int4Linear
+
+    torch.manual_seed(0)
+    n, blocks = 48, 3
+    q = torch.randint(0, 16, (n, blocks, INT4_GROUP))
+    q[:, :, 0], q[:, :, 1] = 0, 15  # llama.cpp's min/max quantizer always uses both ends
+    weight = (-torch.rand(n, blocks, 1) + torch.rand(n, blocks, 1) * 0.1 * q).view(n, blocks * INT4_GROUP)
+    x = torch.randn(5, blocks * INT4_GROUP)
+    layer = Int4Linear(weight)
+    torch.testing.assert_close(layer(x), x @ weight.T, atol=1e-5, rtol=0)
+    assert torch.equal(layer(x[:1]), layer(x)[:1])
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Int4Linear(torch.randn(4, 40))
