@@ -21,12 +21,14 @@ design goal, and it shapes the code:
   rounds exactly as it does inside a long prefill (bf16 rows are exact at any
   row count).
 
-The KV cache is laid out ``[layer, kv_head, slot, head_dim]``: gathering a
-decode group's keys is one ``index_select`` that lands directly in the
-``[kv_head, sequence, key, head_dim]`` layout attention reads, with no
-transposing copy.  Decode queries are grouped by kv head (the ``G`` query
-heads that share a kv head are the rows of one small attention problem), so
-GQA costs no key duplication.
+The KV cache is laid out ``[layer, slot, kv_head, head_dim]`` and read a whole
+page at a time: a page is one contiguous run of ``page_size * kv_heads *
+head_dim`` values, so a decode group's keys are one row gather (``index_select``
+on dim 0), which attention reads in place as ``[sequence, kv_head, key, dim]``
+through strides.  Decode queries are grouped by kv head (the ``G`` query heads
+that share a kv head are the rows of one small attention problem), so GQA costs
+no key duplication.  (Measured against a ``[kv_head, slot]`` layout at 16 and
+64 sequences: 2x faster gathers, 1.3-1.9x faster attention, identical bits.)
 """
 
 from __future__ import annotations
@@ -76,12 +78,12 @@ class ForwardBatch:
 
 
 class KVCache:
-    """Keys and values of every layer, ``[layer, kv_head, slot, head_dim]``; slot = page * page_size + offset."""
+    """Keys and values of every layer, ``[layer, slot, kv_head, head_dim]``; slot = page * page_size + offset."""
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype, device) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (config.num_layers, config.num_kv_heads, num_pages * page_size, config.head_dim)
+        shape = (config.num_layers, num_pages * page_size, config.num_kv_heads, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -110,6 +112,11 @@ def _rows(starts: list[int], device) -> slice | torch.Tensor:
     return torch.tensor(starts, dtype=torch.long, device=device)
 
 
+def _additive(mask: torch.Tensor, dtype, device) -> torch.Tensor:
+    """A boolean keep-mask as the additive mask attention adds to its scores."""
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf")).to(device)
+
+
 @dataclass
 class _AttentionPlan:
     """Index tensors shared by every layer of one forward call.
@@ -122,12 +129,14 @@ class _AttentionPlan:
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # start, length, pages [P], mask [Q, L]
 
     @classmethod
-    def build(cls, batch: ForwardBatch, page_size: int, min_query_rows: int, device) -> _AttentionPlan:
+    def build(cls, batch: ForwardBatch, page_size: int, min_query_rows: int, dtype, device) -> _AttentionPlan:
         """Group decode rows by padded key length; give each prefill chunk its causal mask.
 
         Key buffers are padded to a multiple of both :data:`KEY_BUCKET` and the page size.
         A chunk with fewer than ``min_query_rows`` rows gets extra mask rows (for the
-        zero query rows :meth:`LlamaModel._pad_rows` adds) that see key 0 only.
+        zero query rows :meth:`LlamaModel._pad_rows` adds) that see key 0 only.  Masks
+        are additive (0 or -inf, in ``dtype``), built once here rather than by every
+        layer's attention call.
         """
         unit = math.lcm(KEY_BUCKET, page_size)
         by_bucket: dict[int, list[SequenceSpan]] = {}
@@ -143,7 +152,7 @@ class _AttentionPlan:
             if span.length < min_query_rows:
                 mask = torch.cat([mask, torch.arange(padded).eq(0).expand(min_query_rows - span.length, -1)])
             pages = _page_table(span, page_size, padded)
-            prefills.append((span.start, span.length, pages.to(device), mask.to(device)))
+            prefills.append((span.start, span.length, pages.to(device), _additive(mask, dtype, device)))
         groups = []
         for padded, spans in by_bucket.items():
             starts = [s.start for s in spans]
@@ -152,7 +161,7 @@ class _AttentionPlan:
             mask = torch.zeros(len(spans), padded, dtype=torch.bool)
             for i, s in enumerate(spans):
                 mask[i, : s.context] = True
-            groups.append((rows, pages.to(device), mask.view(1, len(spans), 1, padded).to(device)))
+            groups.append((rows, pages.to(device), _additive(mask.view(len(spans), 1, 1, padded), dtype, device)))
         return cls(groups, prefills)
 
 
@@ -246,7 +255,7 @@ class LlamaModel:
         cfg = self.config
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
-        plan = _AttentionPlan.build(batch, cache.page_size, self.min_query_rows, self.device)
+        plan = _AttentionPlan.build(batch, cache.page_size, self.min_query_rows, self.dtype, self.device)
         tokens, positions, new = batch.tokens, batch.positions, batch.num_tokens
         if new < MIN_ROWS:  # pad the batch once rather than every linear layer (see .linear); the
             pad = torch.zeros(MIN_ROWS - new, dtype=torch.long)  # padding rows write no K/V, join no span
@@ -261,8 +270,8 @@ class LlamaModel:
             qkv = layer.qkv(x)
             qk = self._rope(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)
             k_cache, v_cache = cache.k[index], cache.v[index]
-            k_cache.index_copy_(1, write_slots, qk[:new, H:].transpose(0, 1))
-            v_cache.index_copy_(1, write_slots, qkv[:new, (H + KVH) * D :].view(new, KVH, D).transpose(0, 1))
+            k_cache.index_copy_(0, write_slots, qk[:new, H:])
+            v_cache.index_copy_(0, write_slots, qkv[:new, (H + KVH) * D :].view(new, KVH, D))
             h = h + layer.o(self._attention(qk[:, :H], k_cache, v_cache, cache.page_size, plan))
             x = F.rms_norm(h, (cfg.hidden_size,), layer.mlp_norm, eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
@@ -288,25 +297,25 @@ class LlamaModel:
     def _attention(self, q: torch.Tensor, k_cache, v_cache, page_size: int, plan: _AttentionPlan) -> torch.Tensor:
         """q: [T, H, D] -> [T, H*D], each row attending to its own sequence only.
 
-        ``k_cache``/``v_cache``: one layer, ``[KVH, slots, D]``.  A decode group of B
-        sequences is one attention call with batch ``(KVH, B)`` and the G query heads
+        ``k_cache``/``v_cache``: one layer, ``[slots, KVH, D]``.  A decode group of B
+        sequences is one attention call with batch ``(B, KVH)`` and the G query heads
         of each kv head as its rows; a prefill chunk is one call over its own keys.
         """
         T, H, D = q.shape
         KVH = self.config.num_kv_heads
         G = H // KVH
         out = torch.zeros(T, H * D, dtype=q.dtype, device=q.device)  # rows of no span (padding) stay zero
-        k_pages, v_pages = k_cache.view(KVH, -1, page_size, D), v_cache.view(KVH, -1, page_size, D)
+        k_pages, v_pages = k_cache.view(-1, page_size * KVH * D), v_cache.view(-1, page_size * KVH * D)
         for rows, pages, mask in plan.decode_groups:
-            B = mask.shape[1]
-            kk = k_pages.index_select(1, pages).view(KVH, B, -1, D)
-            vv = v_pages.index_select(1, pages).view(KVH, B, -1, D)
-            qq = self._pad_rows(q[rows].view(B, KVH, G, D).transpose(0, 1))  # [KVH, B, >=G, D]
+            B = mask.shape[0]
+            kk = k_pages.index_select(0, pages).view(B, -1, KVH, D).transpose(1, 2)  # [B, KVH, L, D]
+            vv = v_pages.index_select(0, pages).view(B, -1, KVH, D).transpose(1, 2)
+            qq = self._pad_rows(q[rows].view(B, KVH, G, D))  # [B, KVH, >=G, D]
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=self.scale)
-            out[rows] = o[:, :, :G].transpose(0, 1).reshape(B, H * D)
+            out[rows] = o[:, :, :G].reshape(B, H * D)
         for start, length, pages, mask in plan.prefills:
-            kk = k_pages.index_select(1, pages).view(1, KVH, -1, D)  # [1, KVH, L, D]
-            vv = v_pages.index_select(1, pages).view(1, KVH, -1, D)
+            kk = k_pages.index_select(0, pages).view(1, -1, KVH, D).transpose(1, 2)  # [1, KVH, L, D]
+            vv = v_pages.index_select(0, pages).view(1, -1, KVH, D).transpose(1, 2)
             qq = self._pad_rows(q[start : start + length].transpose(0, 1).unsqueeze(0))  # [1, H, >=Q, D]
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[start : start + length] = o[0, :, :length].transpose(0, 1).reshape(length, H * D)
