@@ -114,7 +114,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             ("fibers 2", ["--fibers", "2"]),
             ("fibers 4", ["--fibers", "4"]),
             ("float32", ["--dtype", "float32"]),
-            ("bfloat16", ["--dtype", "bfloat16"]),
+            ("int4 weights", ["--quantization", "int4"]),
         ]:
             server = P.fiberserve_server(
                 args.port,
@@ -126,7 +126,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             try:
                 spec = replace(base, url=server.url)
                 ablation[label] = _run_levels(
-                    _levels(spec, [c for c in args.concurrency if c >= 4], [], args.requests_per_client), server.name
+                    _levels(spec, args.concurrency, [], args.requests_per_client), server.name
                 )
             finally:
                 server.stop()
