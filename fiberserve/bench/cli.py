@@ -15,11 +15,20 @@ from pathlib import Path
 from fiberserve.bench.loadgen import LoadResult, LoadSpec, plot, run_load, summarize
 from fiberserve.config import default_cache_dir
 
+#: Prompt seeds of the warm-up and the streamed run; the levels use 1, 2, 3, ... (see ``_levels``).
+WARMUP_SEED, STREAM_SEED = 100, 200
+
 
 def _levels(spec: LoadSpec, concurrency: list[int], rates: list[float], requests_per_client: int) -> list[LoadSpec]:
+    """One spec per level, each with prompts of its own.
+
+    Reusing one level's prompts in the next would measure prompt caches rather than
+    prefill (llama-server keeps each slot's last prompt; vLLM and fiberserve keep
+    prefix pages), so every level draws its prompts from a different seed.
+    """
     specs = [replace(spec, concurrency=c, requests=max(spec.requests, c * requests_per_client)) for c in concurrency]
     specs += [replace(spec, rate=r, concurrency=1) for r in rates]
-    return specs
+    return [replace(s, seed=spec.seed + 1 + i) for i, s in enumerate(specs)]
 
 
 def _run_levels(specs: list[LoadSpec], label: str) -> list[LoadResult]:
@@ -98,12 +107,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
         server.start(out_dir)
         try:
             spec = replace(base, url=server.url, model=server.model, fresh_connections=server.fresh_connections)
-            asyncio.run(run_load(replace(spec, requests=4, concurrency=2)))  # warm up
+            asyncio.run(run_load(replace(spec, requests=4, concurrency=2, seed=WARMUP_SEED)))  # warm up
             series[server.name] = _run_levels(
                 _levels(spec, args.concurrency, [], args.requests_per_client), server.name
             )
             streamed[server.name] = asyncio.run(
-                run_load(replace(spec, concurrency=16, stream=True, requests=16 * args.requests_per_client))
+                run_load(
+                    replace(spec, concurrency=16, stream=True, requests=16 * args.requests_per_client, seed=STREAM_SEED)
+                )
             )
         finally:
             server.stop()

@@ -114,6 +114,13 @@ def _body(spec: LoadSpec, prompt: str) -> tuple[str, dict]:
     return "/v1/completions", body
 
 
+def _carries_text(chunk: dict) -> bool:
+    """Whether a streamed chunk holds generated text (not just a role, usage or an empty first chunk)."""
+    if "choices" in chunk:
+        return any(c.get("text") or (c.get("delta") or {}).get("content") for c in chunk["choices"])
+    return bool(chunk.get("text"))
+
+
 async def _one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str) -> Sample:
     path, body = _body(spec, prompt)
     started = time.perf_counter()
@@ -136,7 +143,7 @@ async def _one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str) -> Sample
                 if not line.startswith("data:") or line.strip() == "data: [DONE]":
                     continue
                 data = json.loads(line[5:])
-                if ttft is None:
+                if ttft is None and _carries_text(data):  # as vLLM's benchmark: the first chunk with text
                     ttft = time.perf_counter() - started
                 if spec.api == "sglang":
                     tokens = data["meta_info"]["completion_tokens"]

@@ -301,3 +301,16 @@ def test_sglang_16_conversations_batched_equal_one_at_a_time(server):
     assert batched == alone
     assert all(s["answer_1"].strip() and s["answer_2"].strip() for s in batched)
     server.assert_idle()
+
+
+def test_load_generator_against_the_real_server(server):
+    """`fiberserve bench`'s load generator: counted tokens, a measured first token, no errors."""
+    import asyncio
+
+    from fiberserve.bench.loadgen import LoadSpec, run_load
+
+    for api in ("openai", "sglang"):
+        spec = LoadSpec(url=server.url, api=api, concurrency=2, requests=4, output_len=8, stream=True, prompt_words=8)
+        result = asyncio.run(run_load(spec))
+        assert (result.completed, result.errors, result.output_tokens) == (4, 0, 32), result.first_errors
+        assert 0 < result.ttft_p50_ms <= result.e2e_p50_ms and result.output_tokens_per_s > 0
