@@ -385,3 +385,19 @@ async def test_randomized_stress_keeps_every_invariant(pool, tracker):
     # The pool still serves correctly afterwards.
     async with p.acquire() as fiber:
         assert (await program.invoke(fiber, 0.0))[0] == fiber.id
+
+
+def test_fault_injection_is_evenly_spaced():
+    from fiberserve.engine.faults import FaultInjector, InjectedFault
+
+    faults = FaultInjector(rate=0.2)
+    failed = []
+    for call in range(1, 21):
+        try:
+            faults.maybe_fail()
+        except InjectedFault:
+            failed.append(call)
+    assert failed == [5, 10, 15, 20] and faults.injected == 4
+    faults.rate = 0.0
+    faults.maybe_fail()  # off: never fails
+    assert faults.calls == 20
