@@ -163,3 +163,22 @@ def test_int4_linear_recovers_q4_1_blocks_and_is_row_invariant():
     assert torch.equal(layer(x[:1]), layer(x)[:1])
     with pytest.raises(ValueError, match="divisible by 32"):
         Int4Linear(torch.randn(4, 40))
+
+
+@pytest.mark.parametrize("page", [1, 6, 16])
+def test_any_page_size_gives_the_same_logits(tiny_dirs, page):
+    """Key buffers pad to a multiple of both 64 and the page size; the page size must not change the math."""
+    model = LlamaModel(load_checkpoint(tiny_dirs["hf"], progress=False))
+    tokens = TOKENS * 2
+    pages = [7, 3, 11, 0, 5, 9, 2, 8, 4, 10, 1, 6][: -(-len(tokens) // page)] if page > 1 else None
+    pages = pages or list(range(len(tokens) - 1, -1, -1))  # page size 1: one page per token, in reverse
+    slots = (torch.tensor(pages).unsqueeze(1) * page + torch.arange(page)).flatten()[: len(tokens)]
+    batch = ForwardBatch(
+        torch.tensor(tokens),
+        torch.arange(len(tokens)),
+        slots,
+        [SequenceSpan(0, len(tokens), len(tokens), slots)],
+        torch.arange(len(tokens)),
+    )
+    cache = KVCache(model.config, max(pages) + 1, page, torch.float32, "cpu")
+    torch.testing.assert_close(model.forward(batch, cache), logits_of(model, tokens), atol=1e-5, rtol=0)
