@@ -90,7 +90,9 @@ class Int4Linear:
         return y if self.bias is None else y + self.bias
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quantization: str = "none"):
+def make_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None = None, quantization: str = "none"
+) -> Linear | Int4Linear:
     """A :class:`Linear`, or an :class:`Int4Linear` for ``quantization="int4"``."""
     if quantization == "int4":
         return Int4Linear(weight, bias)
