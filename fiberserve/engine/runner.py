@@ -77,7 +77,7 @@ class ModelRunner:
             tokens.extend(item.seq.token_slice(item.start, end))
             positions.append(torch.arange(item.start, end))
             write_slots.append(slots[item.start : end])
-            spans.append(SequenceSpan(row, item.length, end, slots))
+            spans.append(SequenceSpan(row, item.length, end, slots, item.pages))
             row += item.length
             if item.samples:
                 logit_rows.append(row - 1)

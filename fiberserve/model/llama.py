@@ -39,8 +39,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fiberserve.model import kernels
 from fiberserve.model.config import ModelConfig
-from fiberserve.model.linear import MIN_ROWS, Linear, make_linear
+from fiberserve.model.linear import MIN_ROWS, make_linear
 from fiberserve.model.loader import Checkpoint
 
 #: Key buffers are padded to a multiple of this many positions (see module docstring).
@@ -62,6 +63,14 @@ class SequenceSpan:
     length: int  #: number of new tokens (1 for decode)
     context: int  #: keys visible after this step (cached + new)
     slots: torch.Tensor  #: LongTensor [context]: the KV slot of every position 0..context-1
+    pages: tuple[int, ...] | None = None  #: the pages holding those slots, in order (derived from slots if None)
+
+    def page_list(self, page_size: int) -> list[int]:
+        """The pages that hold positions ``0..context-1``."""
+        used = -(-self.context // page_size)
+        if self.pages is not None:
+            return list(self.pages[:used])
+        return (self.slots[: self.context : page_size] // page_size).tolist()
 
 
 @dataclass
@@ -166,6 +175,27 @@ class _AttentionPlan:
         return cls(groups, prefills)
 
 
+@dataclass
+class _KernelPlan:
+    """The inputs of :func:`.kernels.paged_attention` for one forward call (every layer shares them)."""
+
+    pages: torch.Tensor  #: int32 [spans, max pages]: each span's page table, padded with page 0
+    row_span: torch.Tensor  #: int32 [rows]: the span of each row; -1 for a padding row
+    row_keys: torch.Tensor  #: int32 [rows]: how many keys each row sees (its position + 1)
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, page_size: int, rows: int) -> _KernelPlan:
+        row_span, row_keys, tables = [-1] * rows, [0] * rows, []
+        for index, span in enumerate(batch.spans):
+            end, first = span.start + span.length, span.context - span.length
+            row_span[span.start : end] = [index] * span.length
+            row_keys[span.start : end] = range(first + 1, span.context + 1)
+            tables.append(span.page_list(page_size))
+        width = max(map(len, tables), default=1)
+        pages = torch.tensor([table + [0] * (width - len(table)) for table in tables] or [[0]], dtype=torch.int32)
+        return cls(pages, torch.tensor(row_span, dtype=torch.int32), torch.tensor(row_keys, dtype=torch.int32))
+
+
 def _rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None) -> torch.Tensor:
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
@@ -198,8 +228,8 @@ class _Layer:
         def get(name: str) -> torch.Tensor:
             return w[p + name].to(device=device, dtype=dtype).contiguous()
 
-        self.attn_norm = w[p + "input_layernorm.weight"].to(device=device, dtype=dtype)
-        self.mlp_norm = w[p + "post_attention_layernorm.weight"].to(device=device, dtype=dtype)
+        self.attn_norm = w[p + "input_layernorm.weight"].to(device=device, dtype=torch.float32)
+        self.mlp_norm = w[p + "post_attention_layernorm.weight"].to(device=device, dtype=torch.float32)
         qkv_bias = None
         if config.attention_bias:
             qkv_bias = torch.cat([get(f"self_attn.{x}_proj.bias") for x in "qkv"])
@@ -218,7 +248,9 @@ class LlamaModel:
         self, checkpoint: Checkpoint, dtype: torch.dtype = torch.float32, device="cpu", quantization: str = "none"
     ) -> None:
         """``quantization="int4"``: the decoder layers' weights in int4 (CPU only; see :class:`.Int4Linear`);
-        embeddings, norms and the output head stay in ``dtype``."""
+        embeddings and norms stay in ``dtype``; the output head is int4 too (a quarter of a one-sequence
+        step's weight bytes in bf16), and the top candidates it picks are re-scored exactly by
+        :meth:`_refine_top` from the ``dtype`` weights."""
         if quantization != "none" and torch.device(device).type != "cpu":
             raise ValueError(f"quantization {quantization!r} runs on CPU only")
         config = checkpoint.config
@@ -229,8 +261,8 @@ class LlamaModel:
         self.embed = w["model.embed_tokens.weight"].to(device=self.device, dtype=dtype)
         head = w.get("lm_head.weight")
         self.lm_head = self.embed if head is None or config.tie_word_embeddings else head.to(self.device, dtype)
-        self.logits = Linear(self.lm_head.contiguous())
-        self.norm = w["model.norm.weight"].to(device=self.device, dtype=dtype)
+        self.logits = make_linear(self.lm_head.contiguous(), quantization=quantization)
+        self.norm = w["model.norm.weight"].to(device=self.device, dtype=torch.float32)
         self.quantization = quantization
         self.layers = [_Layer(w, i, config, dtype, self.device, quantization) for i in range(config.num_layers)]
         inv_freq = _rope_inv_freq(config, checkpoint.rope_freq_factors).to(self.device)
@@ -240,6 +272,10 @@ class LlamaModel:
         self.sin = torch.cat([-angles.sin(), angles.sin()], dim=1)  # the rotate-half signs folded in
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.min_query_rows = MIN_QUERY_ROWS.get(dtype, 1)
+        self.eps = config.rms_norm_eps
+        self.fused = self.device.type == "cpu" and kernels.supports(config, dtype)
+        if self.fused:
+            kernels.load()
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate-half RoPE in float32, result in the model dtype; x: [T, heads, D], cos/sin: [T, 1, D].
@@ -253,35 +289,58 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Run the flat batch, write its K/V into ``cache``, return float32 logits [R, vocab]."""
-        cfg = self.config
-        H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        eps = cfg.rms_norm_eps
-        plan = _AttentionPlan.build(batch, cache.page_size, self.min_query_rows, self.dtype, self.device)
         tokens, positions, new = batch.tokens, batch.positions, batch.num_tokens
         if new < MIN_ROWS:  # pad the batch once rather than every linear layer (see .linear); the
             pad = torch.zeros(MIN_ROWS - new, dtype=torch.long)  # padding rows write no K/V, join no span
             tokens, positions = torch.cat([tokens, pad]), torch.cat([positions, pad])
-        T = tokens.numel()
         tokens, positions = tokens.to(self.device), positions.to(self.device)
         write_slots = batch.write_slots.to(self.device)
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        h = self.embed[tokens]
+        h = self.embed[tokens].float()  # the residual stream stays float32 (see the module docstring)
+        if self.fused:
+            plan = _KernelPlan.build(batch, cache.page_size, tokens.numel())
+            self._layers_fused(h, positions, write_slots, cache, plan)
+        else:
+            plan = _AttentionPlan.build(batch, cache.page_size, self.min_query_rows, self.dtype, self.device)
+            h = self._layers_generic(h, positions, write_slots, cache, plan)
+        h = F.rms_norm(h[batch.logit_rows.to(self.device)], (self.config.hidden_size,), self.norm, self.eps)
+        logits = self.logits(h.to(self.dtype)).float()
+        if self.dtype != torch.float32:
+            self._refine_top(logits, h)
+        return logits
+
+    def _layers_fused(self, h, positions, write_slots, cache: KVCache, plan: _KernelPlan) -> None:
+        """The decoder layers with the C++ kernels (CPU): 9 ops per layer; ``h`` is updated in place."""
+        H, eps, dtype = self.config.num_heads, self.eps, self.dtype
+        delta = None  # the previous layer's MLP output, added to h by the next norm
         for index, layer in enumerate(self.layers):
-            x = F.rms_norm(h, (cfg.hidden_size,), layer.attn_norm, eps)
+            x = kernels.add_rms_norm(h, delta, layer.attn_norm, eps, dtype)
+            k_cache, v_cache = cache.k[index], cache.v[index]
+            q = kernels.rope_store(layer.qkv(x), positions, self.cos, self.sin, write_slots, k_cache, v_cache, H)
+            attention = kernels.paged_attention(
+                q, k_cache, v_cache, plan.pages, plan.row_span, plan.row_keys, cache.page_size, self.scale
+            )
+            x = kernels.add_rms_norm(h, layer.o(attention), layer.mlp_norm, eps, dtype)
+            delta = layer.down(kernels.silu_mul(layer.gate_up(x)))
+        h.add_(delta)
+
+    def _layers_generic(self, h, positions, write_slots, cache: KVCache, plan: _AttentionPlan) -> torch.Tensor:
+        """The decoder layers in PyTorch ops and ``scaled_dot_product_attention`` (any device)."""
+        cfg, dtype = self.config, self.dtype
+        H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        T, new = h.shape[0], write_slots.numel()
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        for index, layer in enumerate(self.layers):
+            x = F.rms_norm(h, (cfg.hidden_size,), layer.attn_norm, self.eps).to(dtype)
             qkv = layer.qkv(x)
             qk = self._rope(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)
             k_cache, v_cache = cache.k[index], cache.v[index]
             k_cache.index_copy_(0, write_slots, qk[:new, H:])
             v_cache.index_copy_(0, write_slots, qkv[:new, (H + KVH) * D :].view(new, KVH, D))
             h = h + layer.o(self._attention(qk[:, :H], k_cache, v_cache, cache.page_size, plan))
-            x = F.rms_norm(h, (cfg.hidden_size,), layer.mlp_norm, eps)
+            x = F.rms_norm(h, (cfg.hidden_size,), layer.mlp_norm, self.eps).to(dtype)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
-        h = F.rms_norm(h[batch.logit_rows.to(self.device)], (cfg.hidden_size,), self.norm, eps)
-        logits = self.logits(h).float()
-        if self.dtype != torch.float32:
-            self._refine_top(logits, h)
-        return logits
+        return h
 
     def _refine_top(self, logits: torch.Tensor, h: torch.Tensor) -> None:
         """Recompute the leading candidates' logits in float32, in place.
@@ -292,11 +351,11 @@ class LlamaModel:
         float32 model would; the work is elementwise per row, so batch invariant.
         """
         top = logits.topk(min(REFINED_LOGITS, logits.shape[-1]), dim=-1).indices  # [R, k]
-        exact = (h.float().unsqueeze(1) * self.lm_head[top].float()).sum(-1)
+        exact = (h.unsqueeze(1) * self.lm_head[top].float()).sum(-1)
         logits.scatter_(1, top, exact)
 
     def _attention(self, q: torch.Tensor, k_cache, v_cache, page_size: int, plan: _AttentionPlan) -> torch.Tensor:
-        """q: [T, H, D] -> [T, H*D], each row attending to its own sequence only.
+        """q: [T, H, D] -> [T, H*D], each row attending to its own sequence only (the generic path).
 
         ``k_cache``/``v_cache``: one layer, ``[slots, KVH, D]``.  A decode group of B
         sequences is one attention call with batch ``(B, KVH)`` and the G query heads

@@ -1,0 +1,97 @@
+"""CPU kernels written in C++, compiled on first use and cached by PyTorch's extension loader.
+
+:func:`load` builds ``paged_attention.cpp`` (about 30 s the first time; later
+processes reuse the build under ``~/.cache/torch_extensions`` or
+``$TORCH_EXTENSIONS_DIR``) and registers ``torch.ops.fiberserve.*``.  It needs a
+C++ compiler and ninja, which the project's install provides on Linux.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from fiberserve.model.config import ModelConfig
+
+_SOURCES = [Path(__file__).with_name(name) for name in ("ops.cpp", "paged_attention.cpp", "fused_ops.cpp")]
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_lock = threading.Lock()
+_loaded = False
+
+
+def load() -> None:
+    """Compile (once per machine) and register the kernels in this process; idempotent and thread-safe."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            return
+        from torch.utils.cpp_extension import load as load_extension
+
+        load_extension(
+            name="fiberserve_kernels",
+            sources=[str(s) for s in _SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+        _loaded = True
+
+
+def supports(config: ModelConfig, dtype: torch.dtype) -> bool:
+    """Whether the kernels handle this model in ``dtype`` (sizes in multiples of 16 lanes, <= 16 heads per kv head)."""
+    group = config.num_heads // config.num_kv_heads
+    sizes = (config.head_dim, config.hidden_size, config.intermediate_size)
+    return all(n % 16 == 0 for n in sizes) and config.head_dim <= 256 and group <= 16 and dtype in _DTYPES
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pages: torch.Tensor,
+    row_span: torch.Tensor,
+    row_keys: torch.Tensor,
+    page_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Each row of ``q`` [T, H, D] attends causally to its own sequence's keys in ``k``/``v`` [slots, KVH, D].
+
+    ``pages`` int32 [S, P] is each sequence's page table; ``row_span`` int32 [T] names a row's sequence
+    (-1: a padding row, output zero); ``row_keys`` int32 [T] is how many keys it sees.  Returns [T, H * D].
+    A row's result is bit-identical whatever else is in the batch (see the C++ source).
+    """
+    return torch.ops.fiberserve.paged_attention(q, k, v, pages, row_span, row_keys, page_size, scale)
+
+
+def add_rms_norm(
+    residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """``residual += delta`` in place (float32 [T, W]; ``delta`` in ``dtype`` or None), then return
+    ``rms_norm(residual) * weight`` in ``dtype``."""
+    return torch.ops.fiberserve.add_rms_norm(residual, delta, weight, eps, dtype)
+
+
+def rope_store(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    write_slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    heads: int,
+) -> torch.Tensor:
+    """Rotary embedding of the fused ``qkv`` rows [T, (H + 2 KVH) * D] at ``positions``; returns q [T, H, D].
+
+    ``cos``/``sin``: float32 [positions, D] tables, ``sin`` with the rotate-half sign folded in (its first half
+    negated).  The first ``len(write_slots)`` rows' rotated k and plain v are written to those slots of
+    ``k_cache``/``v_cache`` [slots, KVH, D]; later rows are padding and write nothing.
+    """
+    return torch.ops.fiberserve.rope_store(qkv, positions, cos, sin, write_slots, k_cache, v_cache, heads)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for rows ``[gate | up]`` [T, 2F] -> [T, F], computed in float32."""
+    return torch.ops.fiberserve.silu_mul(gate_up)

@@ -1,0 +1,23 @@
+// Registers the extension's ops with PyTorch's dispatcher (CPU implementations only).
+
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(fiberserve, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k, Tensor v, Tensor pages, Tensor row_span, Tensor row_keys, "
+      "int page_size, float scale) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps, ScalarType dtype) -> Tensor");
+  m.def(
+      "rope_store(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor write_slots, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, int heads) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fiberserve, CPU, m) {
+  m.impl("paged_attention", &fiberserve::paged_attention);
+  m.impl("add_rms_norm", &fiberserve::add_rms_norm);
+  m.impl("rope_store", &fiberserve::rope_store);
+  m.impl("silu_mul", &fiberserve::silu_mul);
+}

@@ -1,0 +1,22 @@
+// The ops of the fiberserve extension (registered as torch.ops.fiberserve.* in ops.cpp).
+
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace fiberserve {
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pages,
+                           const at::Tensor& row_span, const at::Tensor& row_keys, int64_t page_size, double scale);
+
+at::Tensor add_rms_norm(at::Tensor& residual, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
+                        double eps, at::ScalarType dtype);
+
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& write_slots, at::Tensor& k_cache, at::Tensor& v_cache, int64_t heads);
+
+at::Tensor silu_mul(const at::Tensor& gate_up);
+
+}  // namespace fiberserve

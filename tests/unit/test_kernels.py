@@ -1,0 +1,116 @@
+"""The C++ CPU kernels against plain PyTorch, and their batch invariance (bit-identical rows)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fiberserve.model import kernels
+
+kernels.load()
+PAGE = 4
+
+
+def reference_attention(q, k, v, tables, spans, keys):
+    """Row by row with PyTorch in float32: each row sees its span's first ``keys`` positions."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    out = []
+    for row in range(q.shape[0]):
+        if spans[row] < 0:
+            out.append(torch.zeros(q.shape[1] * q.shape[2]))
+            continue
+        slots = (tables[spans[row]].long()[:, None] * PAGE + torch.arange(PAGE)).flatten()[: keys[row]]
+        kk = k[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [H, n, D]
+        vv = v[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[row].float().unsqueeze(1), kk, vv)  # [H, 1, D]
+        out.append(o.flatten())
+    return torch.stack(out)
+
+
+def attention_case(dtype, head_dim=32):
+    """Two spans: a 5-token prefill chunk (positions 3..7 of 8) and a decode row at 11 keys, plus a padding row."""
+    torch.manual_seed(0)
+    k = torch.randn(64 * PAGE, 2, head_dim).to(dtype)
+    v = torch.randn(64 * PAGE, 2, head_dim).to(dtype)
+    q = torch.randn(7, 6, head_dim).to(dtype)
+    tables = torch.tensor([[9, 3, 0], [5, 17, 40]], dtype=torch.int32)
+    spans = torch.tensor([0, 0, 0, 0, 0, 1, -1], dtype=torch.int32)
+    keys = torch.tensor([4, 5, 6, 7, 8, 11, 0], dtype=torch.int32)
+    return q, k, v, tables, spans, keys
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_paged_attention_matches_reference(dtype):
+    q, k, v, tables, spans, keys = attention_case(dtype)
+    out = kernels.paged_attention(q, k, v, tables, spans, keys, PAGE, q.shape[-1] ** -0.5)
+    expected = reference_attention(q, k, v, tables, spans, keys)
+    tolerance = 2e-6 if dtype == torch.float32 else 2e-2
+    assert out.dtype == dtype and out.shape == (7, 6 * q.shape[-1])
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+    assert torch.equal(out[6], torch.zeros_like(out[6]))  # the padding row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_rows_are_batch_invariant(dtype):
+    """Every row alone (as a one-row decode) gives the bits it gets inside the prefill chunk and the batch."""
+    q, k, v, tables, spans, keys = attention_case(dtype, head_dim=64)
+    scale = 0.125
+    batch = kernels.paged_attention(q, k, v, tables, spans, keys, PAGE, scale)
+    for row in range(6):
+        span = spans[row : row + 1].long()
+        alone = kernels.paged_attention(
+            q[row : row + 1], k, v, tables[span], torch.zeros(1, dtype=torch.int32), keys[row : row + 1], PAGE, scale
+        )
+        assert torch.equal(alone[0], batch[row])
+    strided = torch.cat([q, torch.randn_like(q)], dim=1)[:, :6]  # rows of a wider tensor, read in place
+    assert torch.equal(kernels.paged_attention(strided, k, v, tables, spans, keys, PAGE, scale), batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm(dtype):
+    torch.manual_seed(1)
+    residual = torch.randn(5, 96)
+    delta = torch.randn(5, 96).to(dtype)
+    weight = torch.rand(96) + 0.5
+    expected_residual = residual + delta.float()
+    expected = F.rms_norm(expected_residual, (96,), weight, 1e-5)
+    out = kernels.add_rms_norm(residual, delta, weight, 1e-5, dtype)
+    torch.testing.assert_close(residual, expected_residual)  # updated in place
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+    again = kernels.add_rms_norm(residual[2:3].clone(), None, weight, 1e-5, dtype)
+    assert torch.equal(again[0], out[2])  # a row alone: the same bits
+
+
+def test_rope_store_rotates_and_writes_the_cache():
+    torch.manual_seed(2)
+    heads, kv_heads, dim, rows = 4, 2, 16, 3
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim).to(torch.bfloat16)
+    positions = torch.tensor([5, 0, 9])
+    angles = torch.outer(torch.arange(16.0), 1.0 / (10000 ** (torch.arange(0, dim, 2) / dim)))
+    cos, sin = angles.cos().repeat(1, 2), torch.cat([-angles.sin(), angles.sin()], dim=1)
+    k_cache = torch.zeros(20, kv_heads, dim, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    q = kernels.rope_store(qkv, positions, cos, sin, torch.tensor([7, 3]), k_cache, v_cache, heads)
+
+    x = qkv.float()[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim)
+    half = dim // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    angle = angles[positions].unsqueeze(1)
+    expected = x * torch.cat([angle.cos()] * 2, -1) + rotated * torch.cat([angle.sin()] * 2, -1)
+    torch.testing.assert_close(q.float(), expected[:, :heads], atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(k_cache[[7, 3]].float(), expected[:2, heads:], atol=2e-2, rtol=1e-2)
+    assert torch.equal(v_cache[[7, 3]], qkv[:2, (heads + kv_heads) * dim :].view(2, kv_heads, dim))
+    written = torch.zeros(20, dtype=torch.bool)
+    written[[7, 3]] = True
+    assert not k_cache[~written].any() and not v_cache[~written].any()  # the padding row wrote nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(dtype):
+    torch.manual_seed(3)
+    gate_up = (torch.randn(4, 64) * 6).to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    out = kernels.silu_mul(gate_up)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), F.silu(gate) * up, atol=tolerance, rtol=tolerance)
+    assert torch.equal(kernels.silu_mul(gate_up[1:2])[0], out[1])
