@@ -157,6 +157,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ratio_row(label: str, ours: list[LoadResult], theirs: list[LoadResult]) -> str:
+    """A markdown table row of output-throughput ratios, level by level."""
+    ratios = [
+        a.output_tokens_per_s / b.output_tokens_per_s if b.output_tokens_per_s else float("nan")
+        for a, b in zip(ours, theirs, strict=True)
+    ]
+    return f"| {label} | " + " | ".join(f"{x:.2f}x" for x in ratios) + " |"
+
+
 def _report(args, series, streamed, ablation, servers, missing) -> str:
     levels = args.concurrency
     names = list(series)
@@ -185,11 +194,7 @@ def _report(args, series, streamed, ablation, servers, missing) -> str:
     for name in names:
         lines.append(f"| {name} | " + " | ".join(f"{r.output_tokens_per_s:.1f}" for r in series[name]) + " |")
     for peer in names[1:]:
-        ratios = [
-            a.output_tokens_per_s / b.output_tokens_per_s if b.output_tokens_per_s else float("nan")
-            for a, b in zip(series[names[0]], series[peer], strict=True)
-        ]
-        lines.append(f"| ratio fiberserve / {peer} | " + " | ".join(f"{x:.2f}x" for x in ratios) + " |")
+        lines.append(_ratio_row(f"ratio fiberserve / {peer}", series[names[0]], series[peer]))
     lines += ["", "## Latency (non-streaming), per server", ""]
     for name in names:
         lines += [f"### {name}", "", summarize(series[name]), ""]
@@ -214,6 +219,8 @@ def _report(args, series, streamed, ablation, servers, missing) -> str:
         ]
         for label, rs in ablation.items():
             lines.append(f"| {label} | " + " | ".join(f"{r.output_tokens_per_s:.1f}" for r in rs) + " |")
+        if "int4 weights" in ablation:  # 4-bit weights against every peer (llama-server's Q4_1 is 4-bit too)
+            lines += [_ratio_row(f"ratio int4 / {peer}", ablation["int4 weights"], series[peer]) for peer in names[1:]]
     lines += ["", "![throughput and latency](bench-results/benchmarks.png)", ""]
     notes = Path(args.notes)
     if notes.is_file():  # the hand-written analysis: where the time goes, what misses and why

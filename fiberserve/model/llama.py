@@ -9,26 +9,30 @@ Batch invariance (same logits for a row alone or inside any batch) is a
 design goal, and it shapes the code:
 
 * linear layers are row-wise and prepacked for oneDNN (:mod:`.linear`);
-* attention is PyTorch's fused ``scaled_dot_product_attention`` (flash
-  attention on CPU: float32 accumulation and softmax, also for bf16 inputs)
-  over keys gathered into a buffer padded to a multiple of
-  :data:`KEY_BUCKET`; decode rows are grouped by that padded length, so a
-  row's reductions have the same shape alone or in a batch; the padded keys
-  are masked to exactly zero weight and are only ever *read* (from slot 0 of
-  the cache), never written;
-* in float32, query matrices are padded to at least :data:`MIN_QUERY_ROWS`
-  rows, so a prompt token computed as a one-token chunk (or a decode token)
-  rounds exactly as it does inside a long prefill (bf16 rows are exact at any
-  row count).
+* the residual stream is float32 in every dtype (only the inputs of the
+  linear layers and attention are rounded to bf16).  With a bf16 residual,
+  changing only the rounding of attention flipped a greedy answer ("The
+  capital of France is Paris" -> "L'Etoile ...", a 0.08 logit margin in
+  float32); with a float32 residual bf16 keeps float32's order there;
+* on CPU the rest of a layer is four C++ kernels (:mod:`.kernels`): add +
+  RMSNorm, RoPE + KV write, paged attention, SiLU x up.  Each computes a row
+  from that row alone in a fixed order, so any row gives the same bits alone,
+  in any batch, as a decode token or inside a prefill chunk of any length.
+  Attention reads each sequence's pages in place through its page table: no
+  gathered key copies, no padding, no masks;
+* elsewhere (CUDA) the layer is PyTorch ops and ``scaled_dot_product_attention``
+  over keys gathered into a buffer padded to a multiple of :data:`KEY_BUCKET`;
+  decode rows are grouped by that padded length, so a row's reductions have
+  the same shape alone or in a batch; the padded keys are masked to exactly
+  zero weight and only ever *read* (from slot 0 of the cache).  In float32,
+  query matrices are padded to at least :data:`MIN_QUERY_ROWS` rows there.
 
-The KV cache is laid out ``[layer, slot, kv_head, head_dim]`` and read a whole
-page at a time: a page is one contiguous run of ``page_size * kv_heads *
-head_dim`` values, so a decode group's keys are one row gather (``index_select``
-on dim 0), which attention reads in place as ``[sequence, kv_head, key, dim]``
-through strides.  Decode queries are grouped by kv head (the ``G`` query heads
-that share a kv head are the rows of one small attention problem), so GQA costs
-no key duplication.  (Measured against a ``[kv_head, slot]`` layout at 16 and
-64 sequences: 2x faster gathers, 1.3-1.9x faster attention, identical bits.)
+The KV cache is laid out ``[layer, slot, kv_head, head_dim]``: a page is one
+contiguous run of ``page_size * kv_heads * head_dim`` values.  The generic path
+gathers a decode group's keys as one row gather (``index_select`` on dim 0)
+and groups decode queries by kv head (the ``G`` query heads that share a kv
+head are the rows of one small attention problem), so GQA costs no key
+duplication.
 """
 
 from __future__ import annotations
