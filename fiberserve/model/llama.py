@@ -324,8 +324,8 @@ class LlamaModel:
             attention = kernels.paged_attention(
                 q, k_cache, v_cache, plan.pages, plan.row_span, plan.row_keys, cache.page_size, self.scale
             )
-            x = kernels.add_rms_norm(h, layer.o(attention), layer.mlp_norm, eps, dtype)
-            delta = layer.down(kernels.silu_mul(layer.gate_up(x)))
+            x = kernels.add_rms_norm(h, layer.o(attention, wide=True), layer.mlp_norm, eps, dtype)
+            delta = layer.down(kernels.silu_mul(layer.gate_up(x)), wide=True)  # added to h unrounded
         h.add_(delta)
 
     def _layers_generic(self, h, positions, write_slots, cache: KVCache, plan: _AttentionPlan) -> torch.Tensor:

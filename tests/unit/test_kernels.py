@@ -114,3 +114,23 @@ def test_silu_mul(dtype):
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), F.silu(gate) * up, atol=tolerance, rtol=tolerance)
     assert torch.equal(kernels.silu_mul(gate_up[1:2])[0], out[1])
+
+
+def test_bf16_linear_is_built_where_the_cpu_has_avx512_bf16():
+    with open("/proc/cpuinfo") as info:
+        assert kernels.bf16_gemm_available() == ("avx512_bf16" in info.read())
+
+
+@pytest.mark.skipif(not kernels.bf16_gemm_available(), reason="this CPU has no AVX512-BF16")
+def test_bf16_linear_matches_float32_and_rows_are_exact_at_any_count():
+    torch.manual_seed(4)
+    weight, bias = torch.randn(96, 576).bfloat16(), torch.randn(96)
+    x = torch.randn(13, 576).bfloat16()
+    packed = kernels.bf16_pack(weight)
+    out = kernels.bf16_linear(x, packed, bias)
+    expected = x.float() @ weight.float().t() + bias
+    assert out.dtype == torch.bfloat16 and out.shape == (13, 96)
+    torch.testing.assert_close(out.float(), expected, atol=0.1, rtol=1e-2)
+    for rows in range(1, 13):  # tiles of 6 rows, remainders 1-5: the same bits for every row
+        assert torch.equal(kernels.bf16_linear(x[:rows], packed, bias), out[:rows])
+    assert torch.equal(kernels.bf16_linear(x[7:8], packed, bias)[0], out[7])

@@ -22,7 +22,9 @@ import torch
 
 from fiberserve.model.config import ModelConfig
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("ops.cpp", "paged_attention.cpp", "fused_ops.cpp")]
+_SOURCES = [
+    Path(__file__).with_name(name) for name in ("ops.cpp", "paged_attention.cpp", "fused_ops.cpp", "bf16_gemm.cpp")
+]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _lock = threading.Lock()
 _loaded = False
@@ -102,3 +104,21 @@ def rope_store(
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for rows ``[gate | up]`` [T, 2F] -> [T, F], computed in float32."""
     return torch.ops.fiberserve.silu_mul(gate_up)
+
+
+def bf16_gemm_available() -> bool:
+    """Whether :func:`bf16_linear` was built (the compiler targets AVX512-BF16, i.e. this CPU has it)."""
+    return bool(torch.ops.fiberserve.bf16_gemm_available())
+
+
+def bf16_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] (N % 16 == 0, K even) laid out for :func:`bf16_linear`."""
+    return torch.ops.fiberserve.bf16_pack(weight)
+
+
+def bf16_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for bf16 ``x`` [M, K], float32 accumulation, the result in ``out_dtype``
+    (bfloat16 or float32); rows batch invariant at any M."""
+    return torch.ops.fiberserve.bf16_linear(x, packed, bias, out_dtype)

@@ -1,7 +1,8 @@
 // Fused CPU ops for a decoder layer: each replaces a chain of small PyTorch ops (one dispatch and one pass over
 // memory instead of 3 to 9), and each computes a row from that row alone (see vec16.h).
 //
-//   add_rms_norm  residual += delta (float32, in place); returns rms_norm(residual) * weight in the model dtype
+//   add_rms_norm  residual += delta (float32, in place; delta in the model dtype or float32); returns
+//                 rms_norm(residual) * weight in the model dtype
 //   rope_store    rotary embedding of q and k from the fused qkv rows; writes k and v into the cache slots;
 //                 returns q
 //   silu_mul      silu(gate) * up from the fused gate|up rows
@@ -21,8 +22,8 @@ namespace {
 // Rows per parallel task: about 32k values, so a decode step's few rows stay on the calling thread.
 int64_t grain(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1)); }
 
-template <typename scalar_t>
-void add_rms_norm_rows(float* residual, const scalar_t* delta, const float* weight, scalar_t* out, int64_t rows,
+template <typename scalar_t, typename delta_t>
+void add_rms_norm_rows(float* residual, const delta_t* delta, const float* weight, scalar_t* out, int64_t rows,
                        int64_t width, float eps) {
   at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
@@ -115,12 +116,19 @@ at::Tensor add_rms_norm(at::Tensor& residual, const std::optional<at::Tensor>& d
   TORCH_CHECK(width % kLanes == 0, "add_rms_norm: width must be a multiple of 16");
   at::Tensor w = weight.to(at::kFloat).contiguous();
   at::Tensor d = delta ? delta->contiguous() : at::Tensor();
-  TORCH_CHECK(!delta || (d.scalar_type() == dtype && d.sizes() == residual.sizes()), "add_rms_norm: bad delta");
+  TORCH_CHECK(!delta || ((d.scalar_type() == dtype || d.scalar_type() == at::kFloat) && d.sizes() == residual.sizes()),
+              "add_rms_norm: delta must be [rows, width] in dtype or float32");
   at::Tensor out = at::empty({rows, width}, residual.options().dtype(dtype));
   dispatch(dtype, "add_rms_norm", [&](auto zero) {
     using scalar_t = decltype(zero);
-    add_rms_norm_rows<scalar_t>(residual.data_ptr<float>(), delta ? d.data_ptr<scalar_t>() : nullptr,
-                                w.data_ptr<float>(), out.data_ptr<scalar_t>(), rows, width, static_cast<float>(eps));
+    if (delta && d.scalar_type() == at::kFloat) {
+      add_rms_norm_rows<scalar_t, float>(residual.data_ptr<float>(), d.data_ptr<float>(), w.data_ptr<float>(),
+                                         out.data_ptr<scalar_t>(), rows, width, static_cast<float>(eps));
+    } else {
+      add_rms_norm_rows<scalar_t, scalar_t>(residual.data_ptr<float>(), delta ? d.data_ptr<scalar_t>() : nullptr,
+                                            w.data_ptr<float>(), out.data_ptr<scalar_t>(), rows, width,
+                                            static_cast<float>(eps));
+    }
   });
   return out;
 }

@@ -13,11 +13,19 @@ TORCH_LIBRARY(fiberserve, m) {
       "rope_store(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor write_slots, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, int heads) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("bf16_gemm_available() -> bool");
+  m.def("bf16_pack(Tensor weight) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, ScalarType out_dtype) -> Tensor");
 }
+
+// Takes no tensor, so it is registered for every dispatch key.
+TORCH_LIBRARY_IMPL(fiberserve, CatchAll, m) { m.impl("bf16_gemm_available", &fiberserve::bf16_gemm_available); }
 
 TORCH_LIBRARY_IMPL(fiberserve, CPU, m) {
   m.impl("paged_attention", &fiberserve::paged_attention);
   m.impl("add_rms_norm", &fiberserve::add_rms_norm);
   m.impl("rope_store", &fiberserve::rope_store);
   m.impl("silu_mul", &fiberserve::silu_mul);
+  m.impl("bf16_pack", &fiberserve::bf16_pack);
+  m.impl("bf16_linear", &fiberserve::bf16_linear);
 }

@@ -19,4 +19,11 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& positions, const 
 
 at::Tensor silu_mul(const at::Tensor& gate_up);
 
+bool bf16_gemm_available();
+
+at::Tensor bf16_pack(const at::Tensor& weight);
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                       at::ScalarType out_dtype);
+
 }  // namespace fiberserve

@@ -1,0 +1,143 @@
+// bf16 matrix product for linear layers: out[M, N] = x[M, K] . W[N, K]^T (+ bias), float32 accumulation with
+// AVX512-BF16 dot products (vdpbf16ps), W prepacked once as [N / 16][K / 2][16][2] so one 64-byte load holds
+// two k steps of 16 output features.
+//
+// Batch invariance: every output is accumulated over k-pairs in order, in its own register lane; the rows
+// around it change which tile it is computed in, never its arithmetic.  So a row gets the same bits alone, in
+// any batch and at any row count (no one-row special path, unlike oneDNN's matrix-vector kernel).
+//
+// Speed (2 cores, SmolLM2-135M's 120 decoder products per step, bf16): see fiberserve/model/linear.py.
+// Compiled only where the compiler targets AVX512-BF16; bf16_gemm_available() says whether it was.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+
+#include "ops.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace fiberserve {
+
+#if defined(__AVX512BF16__)
+namespace {
+
+constexpr int kBlock = 16;  // output features per packed block (one zmm of float32 sums)
+constexpr int kCols = 4;    // blocks per tile: 64 output features
+constexpr int kRows = 6;    // rows per tile: 6 x 4 = 24 accumulators of the 32 zmm registers
+
+inline void store(c10::BFloat16* out, __m512 y) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(y));
+}
+
+inline void store(float* out, __m512 y) { _mm512_storeu_ps(out, y); }
+
+template <int MR, int NR, typename out_t>
+inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pairs, int64_t block_stride,
+                 const float* bias, out_t* out, int64_t ldo) {
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh wv[NR];
+    for (int c = 0; c < NR; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * block_stride + p * 2 * kBlock);
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * p, sizeof pair);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) {
+      __m512 y = acc[r][c];
+      if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + c * kBlock));
+      store(out + r * ldo + c * kBlock, y);
+    }
+}
+
+// All rows against NR blocks: full tiles of kRows rows, then one tile of the remaining rows.
+template <int NR, typename out_t>
+void column_group(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t pairs,
+                  int64_t block_stride, const float* bias, out_t* out, int64_t ldo) {
+  int64_t r = 0;
+  for (; r + kRows <= rows; r += kRows) tile<kRows, NR, out_t>(x + r * ldx, ldx, w, pairs, block_stride, bias, out + r * ldo, ldo);
+  const uint16_t* xr = x + r * ldx;
+  out_t* o = out + r * ldo;
+  switch (rows - r) {
+    case 5: tile<5, NR, out_t>(xr, ldx, w, pairs, block_stride, bias, o, ldo); break;
+    case 4: tile<4, NR, out_t>(xr, ldx, w, pairs, block_stride, bias, o, ldo); break;
+    case 3: tile<3, NR, out_t>(xr, ldx, w, pairs, block_stride, bias, o, ldo); break;
+    case 2: tile<2, NR, out_t>(xr, ldx, w, pairs, block_stride, bias, o, ldo); break;
+    case 1: tile<1, NR, out_t>(xr, ldx, w, pairs, block_stride, bias, o, ldo); break;
+    default: break;
+  }
+}
+
+template <typename out_t>
+void product(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t blocks, const float* bp,
+             out_t* op) {
+  const int64_t N = blocks * kBlock, block_stride = K * kBlock, groups = (blocks + kCols - 1) / kCols;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t first = g * kCols, count = std::min<int64_t>(kCols, blocks - first);
+      const uint16_t* w = wp + first * block_stride;
+      const float* bg = bp ? bp + first * kBlock : nullptr;
+      out_t* o = op + first * kBlock;
+      switch (count) {
+        case 4: column_group<4>(xp, M, K, w, K / 2, block_stride, bg, o, N); break;
+        case 3: column_group<3>(xp, M, K, w, K / 2, block_stride, bg, o, N); break;
+        case 2: column_group<2>(xp, M, K, w, K / 2, block_stride, bg, o, N); break;
+        default: column_group<1>(xp, M, K, w, K / 2, block_stride, bg, o, N); break;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+bool bf16_gemm_available() { return true; }
+
+at::Tensor bf16_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "bf16_pack: weight must be bf16 [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(N % kBlock == 0 && K % 2 == 0, "bf16_pack: N must be a multiple of 16 and K even");
+  return weight.contiguous().view({N / kBlock, kBlock, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                       at::ScalarType out_dtype) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16_linear: x must be bf16 [M, K]");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x.size(1), "bf16_linear: weight not packed for this K");
+  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat, "bf16_linear: output is bfloat16 or float32");
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
+  at::Tensor a = x.contiguous();
+  at::Tensor b = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  at::Tensor out = at::empty({M, blocks * kBlock}, x.options().dtype(out_dtype));
+  const auto* xp = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const float* bp = bias ? b.data_ptr<float>() : nullptr;
+  if (out_dtype == at::kFloat) {
+    product(xp, M, K, wp, blocks, bp, out.data_ptr<float>());
+  } else {
+    product(xp, M, K, wp, blocks, bp, out.data_ptr<c10::BFloat16>());
+  }
+  return out;
+}
+
+#else
+
+bool bf16_gemm_available() { return false; }
+
+at::Tensor bf16_pack(const at::Tensor&) { TORCH_CHECK(false, "bf16_pack: built without AVX512-BF16"); }
+
+at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, at::ScalarType) {
+  TORCH_CHECK(false, "bf16_linear: built without AVX512-BF16");
+}
+
+#endif
+
+}  // namespace fiberserve
