@@ -134,3 +134,6 @@ def test_bf16_linear_matches_float32_and_rows_are_exact_at_any_count():
     for rows in range(1, 13):  # tiles of 6 rows, remainders 1-5: the same bits for every row
         assert torch.equal(kernels.bf16_linear(x[:rows], packed, bias), out[:rows])
     assert torch.equal(kernels.bf16_linear(x[7:8], packed, bias)[0], out[7])
+    wide = kernels.bf16_linear(x, packed, bias, torch.float32)  # the same sums, not rounded to bf16
+    assert wide.dtype == torch.float32 and torch.equal(wide.bfloat16(), out)
+    assert (wide != out.float()).any()
