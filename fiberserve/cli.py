@@ -23,7 +23,10 @@ HELP = {
     "cache_dir": "where the default model and converted tokenizers are cached ($FIBERSERVE_CACHE)",
     "device": "cpu, cuda or cuda:N",
     "dtype": "float32, bfloat16, or auto (bfloat16 where the hardware computes it natively)",
-    "quantization": "none, or int4: weight-only int4 decoder layers on CPU (faster for one to a few sequences)",
+    "quantization": (
+        "none, or int4: llama.cpp's arithmetic on CPU (Q4_1 decoder weights, Q8_0 output head, int8 "
+        "activations per block of 32)"
+    ),
     "fibers": "fibers in the pool = model invocations (flights) that may run at once",
     "threads_per_fiber": "torch threads per fiber (default: CPU cores / fibers)",
     "isolation": "program isolation: per_fiber (one instance per fiber), per_call, or none",

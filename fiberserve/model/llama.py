@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from fiberserve.model import kernels
 from fiberserve.model.config import ModelConfig
-from fiberserve.model.linear import MIN_ROWS, make_linear
+from fiberserve.model.linear import MIN_ROWS, Linear, QuantLinear, make_linear, vnni_available
 from fiberserve.model.loader import Checkpoint
 
 #: Key buffers are padded to a multiple of this many positions (see module docstring).
@@ -229,20 +229,22 @@ class _Layer:
     ) -> None:
         p = f"model.layers.{i}."
 
+        # Checkpoint precision here: make_linear rounds to dtype, or quantizes from these values.
         def get(name: str) -> torch.Tensor:
-            return w[p + name].to(device=device, dtype=dtype).contiguous()
+            return w[p + name].to(device=device)
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | QuantLinear:
+            return make_linear(weight, bias, quantization, dtype)
 
         self.attn_norm = w[p + "input_layernorm.weight"].to(device=device, dtype=torch.float32)
         self.mlp_norm = w[p + "post_attention_layernorm.weight"].to(device=device, dtype=torch.float32)
         qkv_bias = None
         if config.attention_bias:
             qkv_bias = torch.cat([get(f"self_attn.{x}_proj.bias") for x in "qkv"])
-        qkv = torch.cat([get(f"self_attn.{x}_proj.weight") for x in "qkv"]).contiguous()
-        self.qkv = make_linear(qkv, qkv_bias, quantization)
-        self.o = make_linear(get("self_attn.o_proj.weight"), quantization=quantization)
-        gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]).contiguous()
-        self.gate_up = make_linear(gate_up, quantization=quantization)
-        self.down = make_linear(get("mlp.down_proj.weight"), quantization=quantization)
+        self.qkv = linear(torch.cat([get(f"self_attn.{x}_proj.weight") for x in "qkv"]), qkv_bias)
+        self.o = linear(get("self_attn.o_proj.weight"))
+        self.gate_up = linear(torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]))
+        self.down = linear(get("mlp.down_proj.weight"))
 
 
 class LlamaModel:
@@ -251,10 +253,10 @@ class LlamaModel:
     def __init__(
         self, checkpoint: Checkpoint, dtype: torch.dtype = torch.float32, device="cpu", quantization: str = "none"
     ) -> None:
-        """``quantization="int4"``: the decoder layers' weights in int4 (CPU only; see :class:`.Int4Linear`);
-        embeddings and norms stay in ``dtype``; the output head is int4 too (a quarter of a one-sequence
-        step's weight bytes in bf16), and the top candidates it picks are re-scored exactly by
-        :meth:`_refine_top` from the ``dtype`` weights."""
+        """``quantization="int4"``: the decoder layers' weights in Q4_1 blocks and the output head in Q8_0
+        blocks (4-bit where the CPU lacks AVX512-VNNI), computed as llama.cpp does (see :class:`.QuantLinear`;
+        CPU only); embeddings and norms stay in ``dtype``, and the top candidates the head picks are
+        re-scored exactly by :meth:`_refine_top` from the ``dtype`` weights."""
         if quantization != "none" and torch.device(device).type != "cpu":
             raise ValueError(f"quantization {quantization!r} runs on CPU only")
         config = checkpoint.config
@@ -264,8 +266,11 @@ class LlamaModel:
         self.device = torch.device(device)
         self.embed = w["model.embed_tokens.weight"].to(device=self.device, dtype=dtype)
         head = w.get("lm_head.weight")
-        self.lm_head = self.embed if head is None or config.tie_word_embeddings else head.to(self.device, dtype)
-        self.logits = make_linear(self.lm_head.contiguous(), quantization=quantization)
+        tied = head is None or config.tie_word_embeddings
+        self.lm_head = self.embed if tied else head.to(self.device, dtype)
+        head = w["model.embed_tokens.weight"] if tied else head
+        head_bits = 8 if quantization != "none" and vnni_available() else 4  # llama.cpp's Q8_0 output head
+        self.logits = make_linear(head.to(self.device), None, quantization, dtype, head_bits)
         self.norm = w["model.norm.weight"].to(device=self.device, dtype=torch.float32)
         self.quantization = quantization
         self.layers = [_Layer(w, i, config, dtype, self.device, quantization) for i in range(config.num_layers)]

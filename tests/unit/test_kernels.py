@@ -137,3 +137,44 @@ def test_bf16_linear_matches_float32_and_rows_are_exact_at_any_count():
     wide = kernels.bf16_linear(x, packed, bias, torch.float32)  # the same sums, not rounded to bf16
     assert wide.dtype == torch.float32 and torch.equal(wide.bfloat16(), out)
     assert (wide != out.float()).any()
+
+
+def test_quant_linear_is_built_where_the_cpu_has_avx512_vnni():
+    with open("/proc/cpuinfo") as info:
+        assert kernels.quant_gemm_available() == ("avx512_vnni" in info.read())
+
+
+def quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernel sees it: int8 per row and block of 32 (step max|x| / 127), dequantized, float64."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    step = amax / 127
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inverse) * step).double().view_as(x)
+
+
+@pytest.mark.skipif(not kernels.quant_gemm_available(), reason="this CPU has no AVX512-VNNI")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quant_linear_is_exact_block_arithmetic_and_rows_are_exact_at_any_count(bits):
+    """The result is the float64 product of the dequantized weights and the int8-quantized rows, up to
+    float32 rounding; one row tile (unpacked in registers) and several (from a buffer) agree bit for bit."""
+    torch.manual_seed(5)
+    n, k = 48, 1536
+    q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)
+    scales, mins = torch.rand(n, k // 32) * 0.01, -torch.rand(n, k // 32) * 0.05
+    weight = (q.double().view(n, -1, 32) * scales.double()[..., None] + mins.double()[..., None]).view(n, k)
+    bias = torch.randn(n)
+    x = torch.randn(13, k).bfloat16()
+    x[3, 64:96] = 0  # an all-zero block quantizes to zeros
+    packed = kernels.quant_pack(q, scales, mins, bits)
+    wide = kernels.quant_linear(x, *packed, bias, torch.float32)
+    expected = quantized_rows(x) @ weight.t() + bias.double()
+    torch.testing.assert_close(wide.double(), expected, atol=2e-5 * expected.abs().max().item(), rtol=0)
+    for rows in range(1, 13):
+        assert torch.equal(kernels.quant_linear(x[:rows], *packed, bias, torch.float32), wide[:rows])
+    assert torch.equal(kernels.quant_linear(x[7:8], *packed, bias, torch.float32)[0], wide[7])
+    narrow = kernels.quant_linear(x, *packed, bias, torch.bfloat16)
+    assert narrow.dtype == torch.bfloat16 and torch.equal(narrow, wide.bfloat16())
+    assert torch.equal(
+        kernels.quant_linear(x.float(), *packed, bias, torch.float32), wide
+    )  # bf16 rows are exact in float32

@@ -148,21 +148,36 @@ def test_prefill_chunks_and_decode_steps_in_one_call(tiny_dirs):
     torch.testing.assert_close(second[-1], ref_b[-1], atol=1e-4, rtol=0)
 
 
-def test_int4_linear_recovers_q4_1_blocks_and_is_row_invariant():
-    """Weights built like llama.cpp's Q4_1 blocks (min + step * q, q from 0 to 15) survive int4 exactly."""
-    from fiberserve.model.linear import INT4_GROUP, Int4Linear
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quant_linear_recovers_llama_cpp_blocks_and_is_row_invariant(bits):
+    """Weights built like llama.cpp's Q4_1 blocks (min + step * q, q from 0 to 15, both ends used) or Q8_0
+    blocks (step * q, |q| up to 127) come back exactly: the product is theirs with the activations' rounding."""
+    from fiberserve.model.linear import QUANT_GROUP, QuantLinear, vnni_available
 
+    if bits == 8 and not vnni_available():
+        pytest.skip("8-bit blocks need AVX512-VNNI")
     torch.manual_seed(0)
     n, blocks = 48, 3
-    q = torch.randint(0, 16, (n, blocks, INT4_GROUP))
-    q[:, :, 0], q[:, :, 1] = 0, 15  # llama.cpp's min/max quantizer always uses both ends
-    weight = (-torch.rand(n, blocks, 1) + torch.rand(n, blocks, 1) * 0.1 * q).view(n, blocks * INT4_GROUP)
-    x = torch.randn(5, blocks * INT4_GROUP)
-    layer = Int4Linear(weight)
+    if bits == 4:
+        q = torch.randint(0, 16, (n, blocks, QUANT_GROUP))
+        q[:, :, 0], q[:, :, 1] = 0, 15
+        weight = -torch.rand(n, blocks, 1) + torch.rand(n, blocks, 1) * 0.1 * q
+    else:
+        q = torch.randint(-127, 128, (n, blocks, QUANT_GROUP))
+        q[:, :, 0] = 127
+        weight = torch.rand(n, blocks, 1) * 0.01 * q
+    weight = weight.view(n, blocks * QUANT_GROUP)
+    x = torch.randn(5, blocks * QUANT_GROUP)
+    layer = QuantLinear(weight, bits=bits)
+    if layer.vnni:  # llama.cpp's arithmetic: activations in int8 per block of 32
+        blocks_of_x = x.view(5, blocks, QUANT_GROUP)
+        step = blocks_of_x.abs().amax(-1, keepdim=True) / 127
+        x = torch.round(blocks_of_x / step) * step
+        x = x.view(5, -1)
     torch.testing.assert_close(layer(x), x @ weight.T, atol=1e-5, rtol=0)
     assert torch.equal(layer(x[:1]), layer(x)[:1])
     with pytest.raises(ValueError, match="divisible by 32"):
-        Int4Linear(torch.randn(4, 40))
+        QuantLinear(torch.randn(4, 40))
 
 
 @pytest.mark.parametrize("page", [1, 6, 16])

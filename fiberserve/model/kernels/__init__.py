@@ -23,7 +23,8 @@ import torch
 from fiberserve.model.config import ModelConfig
 
 _SOURCES = [
-    Path(__file__).with_name(name) for name in ("ops.cpp", "paged_attention.cpp", "fused_ops.cpp", "bf16_gemm.cpp")
+    Path(__file__).with_name(name)
+    for name in ("ops.cpp", "paged_attention.cpp", "fused_ops.cpp", "bf16_gemm.cpp", "quant_gemm.cpp")
 ]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _lock = threading.Lock()
@@ -122,3 +123,43 @@ def bf16_linear(
     """``x @ weight.T (+ bias)`` for bf16 ``x`` [M, K], float32 accumulation, the result in ``out_dtype``
     (bfloat16 or float32); rows batch invariant at any M."""
     return torch.ops.fiberserve.bf16_linear(x, packed, bias, out_dtype)
+
+
+def quant_gemm_available() -> bool:
+    """Whether :func:`quant_linear` was built (the compiler targets AVX512-VNNI, i.e. this CPU has it)."""
+    return bool(torch.ops.fiberserve.quant_gemm_available())
+
+
+def quant_pack(
+    q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weights in blocks of 32 inputs for :func:`quant_linear`: ``q`` uint8 [N, K] (N % 16 == 0, K % 32 == 0),
+    below ``2 ** bits`` (4 or 8), and the blocks' ``scales`` and ``mins`` [N, K / 32] (``w = scale * q + min``)
+    -> (weights, scales, mins) in the kernel's layout (see ``quant_gemm.cpp``)."""
+    n, k = q.shape
+    if bits == 4:
+        q6 = q.view(n // 16, 16, k // 32, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # [N/16, K/32, half, step, 16, 4]
+        packed = (q6[:, :, 0] | (q6[:, :, 1] << 4)).contiguous()
+    elif bits == 8:
+        packed = q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()  # [N/16, K/4, 16, 4]
+    else:
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:
+        return t.float().view(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()
+
+    return packed, per_block(scales), per_block(mins)
+
+
+def quant_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for block-quantized weights (from :func:`quant_pack`) and ``x`` [M, K] (bf16
+    or float32) quantized per row and block of 32 to int8 (llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0
+    arithmetic); the result in ``out_dtype`` (bfloat16 or float32); rows batch invariant at any M."""
+    return torch.ops.fiberserve.quant_linear(x, packed, scales, mins, bias, out_dtype)

@@ -16,10 +16,15 @@ TORCH_LIBRARY(fiberserve, m) {
   m.def("bf16_gemm_available() -> bool");
   m.def("bf16_pack(Tensor weight) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, ScalarType out_dtype) -> Tensor");
+  m.def("quant_gemm_available() -> bool");
+  m.def("quant_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor? bias, ScalarType out_dtype) -> Tensor");
 }
 
 // Takes no tensor, so it is registered for every dispatch key.
-TORCH_LIBRARY_IMPL(fiberserve, CatchAll, m) { m.impl("bf16_gemm_available", &fiberserve::bf16_gemm_available); }
+TORCH_LIBRARY_IMPL(fiberserve, CatchAll, m) {
+  m.impl("bf16_gemm_available", &fiberserve::bf16_gemm_available);
+  m.impl("quant_gemm_available", &fiberserve::quant_gemm_available);
+}
 
 TORCH_LIBRARY_IMPL(fiberserve, CPU, m) {
   m.impl("paged_attention", &fiberserve::paged_attention);
@@ -28,4 +33,5 @@ TORCH_LIBRARY_IMPL(fiberserve, CPU, m) {
   m.impl("silu_mul", &fiberserve::silu_mul);
   m.impl("bf16_pack", &fiberserve::bf16_pack);
   m.impl("bf16_linear", &fiberserve::bf16_linear);
+  m.impl("quant_linear", &fiberserve::quant_linear);
 }

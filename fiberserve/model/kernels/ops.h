@@ -26,4 +26,9 @@ at::Tensor bf16_pack(const at::Tensor& weight);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                        at::ScalarType out_dtype);
 
+bool quant_gemm_available();
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
+                     const std::optional<at::Tensor>& bias, at::ScalarType out_dtype);
+
 }  // namespace fiberserve

@@ -1,0 +1,275 @@
+// Block-quantized weights x Q8 activations for linear layers: llama.cpp's arithmetic for Q4_1 and Q8_0 weights.
+// out[M, N] = x[M, K] . W[N, K]^T (+ bias), with W in blocks of 32 inputs (w = d * q + m; q unsigned: 0..15 for
+// 4 bits, 0..255 for 8 bits, where Q8_0's signed q is stored as q + 128 with m = -128 d) and each row of x
+// quantized per block of 32 to int8 (x ~ dx * xq, dx = max|x| / 127).  A block's dot product is
+//   d * dx * sum(q * xq) + m * sx,   sx = dx * sum(xq),
+// i.e. exactly the dot product of the dequantized weights and the quantized activations.  sum(q * xq) is integer
+// arithmetic: AVX512-VNNI vpdpbusd multiplies 4 unsigned q by 4 signed xq per lane, 64 products an instruction
+// (twice vdpbf16ps's 32).
+//
+// Layout, per 16 output features: 8 bits as [N / 16][K / 4][16][4] bytes (one 64-byte load is a 4-input step of
+// 16 outputs); 4 bits as [N / 16][K / 32][4][16][4] bytes, the low nibble for inputs 4j..4j+3 of a block and the
+// high nibble for inputs 16+4j..16+4j+3 (one load holds two steps).  d and m: float [N / 16][K / 32][16].
+// For more than one row tile, a worker unpacks a column group's nibbles once into a small buffer (L1/L2) and
+// runs every row tile against it; a single tile unpacks in registers.
+//
+// Batch invariance: a row is quantized on its own, and each output is accumulated block by block in order in its
+// own lane, so a row gets the same bits alone, in any batch, at any row count.
+//
+// Compiled only where the compiler targets AVX512-VNNI; quant_gemm_available() says whether it was.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+
+namespace fiberserve {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+namespace {
+
+constexpr int kBlock = 16;   // output features per packed column block (one zmm of int32 / float32 sums)
+constexpr int kGroup = 32;   // inputs per quantization block
+constexpr int kSteps = 8;    // 4-input steps per quantization block
+constexpr int kCols = 2;     // column blocks per tile: 32 output features
+constexpr int kRows = 6;     // rows per tile: 6 x 2 int32 sums + 6 x 2 float sums
+
+inline __m512 load_f32(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load_f32(const c10::BFloat16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+inline void store(c10::BFloat16* out, __m512 y) {  // round to nearest even, like PyTorch
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(y));
+#else
+  alignas(64) float tmp[kBlock];
+  _mm512_store_ps(tmp, y);
+  for (int i = 0; i < kBlock; ++i) out[i] = c10::BFloat16(tmp[i]);
+#endif
+}
+
+inline void store(float* out, __m512 y) { _mm512_storeu_ps(out, y); }
+
+// The rows of x, quantized: xq int8 [M, K], dx and sx float [M, K / 32].
+struct QuantizedRows {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  int64_t K;
+  int64_t blocks;
+};
+
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx) {
+  const int64_t blocks = K / kGroup;
+  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const T* p = x + r * K + b * kGroup;
+        const __m512 v0 = load_f32(p), v1 = load_f32(p + kBlock);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+        const float d = amax / 127.0f;
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));  // round to nearest even
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+        int8_t* o = xq + r * K + b * kGroup;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + kBlock), _mm512_cvtsepi32_epi8(q1));
+        dx[r * blocks + b] = d;
+        sx[r * blocks + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+      }
+    }
+  });
+}
+
+// One column block's nibbles [K / 32][4][64 bytes] -> one byte per weight, [K / 4][64 bytes] (4-input steps).
+inline void unpack(const uint8_t* packed, int64_t blocks, uint8_t* out) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(packed + (b * 4 + j) * 64);
+      _mm512_storeu_si512(out + (b * kSteps + j) * 64, _mm512_and_si512(v, low));
+      _mm512_storeu_si512(out + (b * kSteps + 4 + j) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    }
+}
+
+template <int MR, int NR>
+inline void step(const QuantizedRows& x, int64_t row0, int64_t input, const __m512i* wv, __m512i (&sums)[MR][NR]) {
+  for (int r = 0; r < MR; ++r) {
+    int32_t four;
+    std::memcpy(&four, x.q + (row0 + r) * x.K + input, sizeof four);
+    const __m512i xv = _mm512_set1_epi32(four);
+    for (int c = 0; c < NR; ++c) sums[r][c] = _mm512_dpbusd_epi32(sums[r][c], wv[c], xv);
+  }
+}
+
+// MR rows x NR column blocks.  kNibbles: w is the packed weight (unpacked here, for few rows); otherwise the
+// column group's unpacked bytes.
+template <int MR, int NR, bool kNibbles, typename out_t>
+inline void tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, int64_t w_stride, const float* d,
+                 const float* m, int64_t dm_stride, const float* bias, out_t* out, int64_t ldo) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    __m512i sums[MR][NR];
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < NR; ++c) sums[r][c] = _mm512_setzero_si512();
+    if constexpr (kNibbles) {
+      for (int j = 0; j < 4; ++j) {
+        __m512i lo[NR], hi[NR];
+        for (int c = 0; c < NR; ++c) {
+          const __m512i v = _mm512_loadu_si512(w + c * w_stride + (b * 4 + j) * 64);
+          lo[c] = _mm512_and_si512(v, low);
+          hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        step<MR, NR>(x, row0, b * kGroup + 4 * j, lo, sums);
+        step<MR, NR>(x, row0, b * kGroup + 16 + 4 * j, hi, sums);
+      }
+    } else {
+      for (int s = 0; s < kSteps; ++s) {
+        __m512i wv[NR];
+        for (int c = 0; c < NR; ++c) wv[c] = _mm512_loadu_si512(w + c * w_stride + (b * kSteps + s) * 64);
+        step<MR, NR>(x, row0, b * kGroup + 4 * s, wv, sums);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512 dx = _mm512_set1_ps(x.d[(row0 + r) * x.blocks + b]);
+      const __m512 sx = _mm512_set1_ps(x.s[(row0 + r) * x.blocks + b]);
+      for (int c = 0; c < NR; ++c) {
+        const __m512 dv = _mm512_loadu_ps(d + c * dm_stride + b * kBlock);
+        const __m512 mv = _mm512_loadu_ps(m + c * dm_stride + b * kBlock);
+        acc[r][c] = _mm512_fmadd_ps(mv, sx, acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][c]), _mm512_mul_ps(dv, dx), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) {
+      __m512 y = acc[r][c];
+      if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + c * kBlock));
+      store(out + r * ldo + c * kBlock, y);
+    }
+}
+
+// All rows against NR column blocks: full tiles of kRows rows, then one tile of the remaining rows.
+template <int NR, bool kNibbles, typename out_t>
+void column_group(const QuantizedRows& x, int64_t M, const uint8_t* w, int64_t w_stride, const float* d,
+                  const float* m, int64_t dm_stride, const float* bias, out_t* out, int64_t ldo) {
+  int64_t r = 0;
+  for (; r + kRows <= M; r += kRows)
+    tile<kRows, NR, kNibbles, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, out + r * ldo, ldo);
+  out_t* o = out + r * ldo;
+  switch (M - r) {
+    case 5: tile<5, NR, kNibbles, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, o, ldo); break;
+    case 4: tile<4, NR, kNibbles, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, o, ldo); break;
+    case 3: tile<3, NR, kNibbles, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, o, ldo); break;
+    case 2: tile<2, NR, kNibbles, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, o, ldo); break;
+    case 1: tile<1, NR, kNibbles, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, o, ldo); break;
+    default: break;
+  }
+}
+
+template <typename out_t>
+void product(const QuantizedRows& x, int64_t M, const uint8_t* packed, int bits, const float* d, const float* m,
+             int64_t column_blocks, const float* bias, out_t* out) {
+  const int64_t K = x.K, N = column_blocks * kBlock, groups = (column_blocks + kCols - 1) / kCols;
+  const int64_t packed_stride = K * kBlock * bits / 8, unpacked_stride = K * kBlock, dm_stride = x.blocks * kBlock;
+  const bool in_place = bits == 4 && M <= kRows;  // one row tile: unpack each weight where it is used, no buffer
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint8_t> buffer;
+    if (bits == 4 && !in_place && buffer.size() < static_cast<size_t>(kCols * unpacked_stride))
+      buffer.resize(static_cast<size_t>(kCols * unpacked_stride));
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t first = g * kCols, count = std::min<int64_t>(kCols, column_blocks - first);
+      const float* dg = d + first * dm_stride;
+      const float* mg = m + first * dm_stride;
+      const float* bg = bias ? bias + first * kBlock : nullptr;
+      out_t* o = out + first * kBlock;
+      if (in_place) {
+        const uint8_t* w = packed + first * packed_stride;
+        if (count == 2) column_group<2, true>(x, M, w, packed_stride, dg, mg, dm_stride, bg, o, N);
+        else column_group<1, true>(x, M, w, packed_stride, dg, mg, dm_stride, bg, o, N);
+        continue;
+      }
+      if (bits == 8) {
+        const uint8_t* w = packed + first * packed_stride;
+        if (count == 2) column_group<2, false>(x, M, w, packed_stride, dg, mg, dm_stride, bg, o, N);
+        else column_group<1, false>(x, M, w, packed_stride, dg, mg, dm_stride, bg, o, N);
+        continue;
+      }
+      for (int64_t c = 0; c < count; ++c)
+        unpack(packed + (first + c) * packed_stride, x.blocks, buffer.data() + c * unpacked_stride);
+      if (count == 2) column_group<2, false>(x, M, buffer.data(), unpacked_stride, dg, mg, dm_stride, bg, o, N);
+      else column_group<1, false>(x, M, buffer.data(), unpacked_stride, dg, mg, dm_stride, bg, o, N);
+    }
+  });
+}
+
+}  // namespace
+
+bool quant_gemm_available() { return true; }
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
+                     const std::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "quant_linear: x must be bf16 or float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0, "quant_linear: K must be a multiple of 32");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && ((packed.dim() == 5 && packed.size(1) == blocks) ||
+                                                     (packed.dim() == 4 && packed.size(1) * 4 == K)),
+              "quant_linear: weight not packed for this K");
+  const int bits = packed.dim() == 5 ? 4 : 8;
+  const int64_t column_blocks = packed.size(0);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat &&
+                  scales.numel() == column_blocks * blocks * kBlock && mins.numel() == scales.numel(),
+              "quant_linear: scales and mins must be float [N / 16, K / 32, 16]");
+  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat, "quant_linear: output is bfloat16 or float32");
+  const at::Tensor a = x.contiguous(), w = packed.contiguous(), d = scales.contiguous(), m = mins.contiguous();
+  const at::Tensor b = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor dx = at::empty({M, blocks}, x.options().dtype(at::kFloat));
+  at::Tensor sx = at::empty({M, blocks}, x.options().dtype(at::kFloat));
+  if (a.scalar_type() == at::kFloat) {
+    quantize_rows(a.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>());
+  } else {
+    quantize_rows(a.data_ptr<at::BFloat16>(), M, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
+                  sx.data_ptr<float>());
+  }
+  const QuantizedRows rows{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), K, blocks};
+  at::Tensor out = at::empty({M, column_blocks * kBlock}, x.options().dtype(out_dtype));
+  const float* bp = bias ? b.data_ptr<float>() : nullptr;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  if (out_dtype == at::kFloat) {
+    product(rows, M, wp, bits, d.data_ptr<float>(), m.data_ptr<float>(), column_blocks, bp, out.data_ptr<float>());
+  } else {
+    product(rows, M, wp, bits, d.data_ptr<float>(), m.data_ptr<float>(), column_blocks, bp,
+            out.data_ptr<c10::BFloat16>());
+  }
+  return out;
+}
+
+#else
+
+bool quant_gemm_available() { return false; }
+
+at::Tensor quant_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                     const std::optional<at::Tensor>&, at::ScalarType) {
+  TORCH_CHECK(false, "quant_linear: built without AVX512-VNNI");
+}
+
+#endif
+
+}  // namespace fiberserve
