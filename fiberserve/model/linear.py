@@ -65,6 +65,8 @@ class Linear:
         self.bias = bias
         self.bf16_kernel = _can_use_bf16_kernel(weight)
         self.prepacked = not self.bf16_kernel and _can_prepack(weight)
+        #: Fewest rows worth passing (see :data:`MIN_ROWS`); callers may pad once for all layers.
+        self.min_rows = 1 if self.bf16_kernel else MIN_ROWS
         if self.bf16_kernel:
             self.weight = kernels.bf16_pack(weight)
             self.bias = None if bias is None else bias.float()
@@ -117,18 +119,22 @@ class QuantLinear:
             raise ValueError(f"quantized weights need input features divisible by {QUANT_GROUP}, got {k}")
         dtype = dtype or weight.dtype
         groups = weight.float().view(n, k // QUANT_GROUP, QUANT_GROUP)
+        # Scales and minimums in float16, as llama.cpp stores them (exact for its files), rounded first so
+        # that q is chosen against the values the product will use.
         if bits == 4:
-            lo, hi = groups.amin(-1), groups.amax(-1)
-            scale = ((hi - lo) / 15).clamp(min=1e-12)
-            q = ((groups - lo[..., None]) / scale[..., None]).round().clamp(0, 15)
+            lo, hi = groups.amin(-1).half().float(), groups.amax(-1)
+            scale = ((hi - lo) / 15).half().float()
+            q = (groups - lo[..., None]) / torch.where(scale > 0, scale, 1.0)[..., None]
+            q = q.round().clamp(0, 15)
         elif bits == 8:  # signed q stored as q + 128, so the minimum is -128 steps
-            scale = (groups.abs().amax(-1) / 127).clamp(min=1e-12)
-            q = (groups / scale[..., None]).round().clamp(-127, 127) + 128
+            scale = (groups.abs().amax(-1) / 127).half().float()
+            q = (groups / torch.where(scale > 0, scale, 1.0)[..., None]).round().clamp(-127, 127) + 128
             lo = -128 * scale
         else:
             raise ValueError(f"bits must be 4 or 8, got {bits}")
         q = q.to(torch.uint8).view(n, k)
         self.vnni = weight.device.type == "cpu" and n % 16 == 0 and vnni_available()
+        self.min_rows = 1 if self.vnni else MIN_ROWS
         if self.vnni:
             self.weight, self.scales, self.mins = kernels.quant_pack(q, scale, lo, bits)
             self.bias = None if bias is None else bias.float()

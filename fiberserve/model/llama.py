@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from fiberserve.model import kernels
 from fiberserve.model.config import ModelConfig
-from fiberserve.model.linear import MIN_ROWS, Linear, QuantLinear, make_linear, vnni_available
+from fiberserve.model.linear import Linear, QuantLinear, make_linear, vnni_available
 from fiberserve.model.loader import Checkpoint
 
 #: Key buffers are padded to a multiple of this many positions (see module docstring).
@@ -274,6 +274,8 @@ class LlamaModel:
         self.norm = w["model.norm.weight"].to(device=self.device, dtype=torch.float32)
         self.quantization = quantization
         self.layers = [_Layer(w, i, config, dtype, self.device, quantization) for i in range(config.num_layers)]
+        linears = [self.logits] + [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self.min_rows = max(x.min_rows for x in linears)
         inv_freq = _rope_inv_freq(config, checkpoint.rope_freq_factors).to(self.device)
         positions = torch.arange(config.max_position_embeddings, device=self.device, dtype=torch.float32)
         angles = torch.outer(positions, inv_freq)
@@ -299,8 +301,8 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Run the flat batch, write its K/V into ``cache``, return float32 logits [R, vocab]."""
         tokens, positions, new = batch.tokens, batch.positions, batch.num_tokens
-        if new < MIN_ROWS:  # pad the batch once rather than every linear layer (see .linear); the
-            pad = torch.zeros(MIN_ROWS - new, dtype=torch.long)  # padding rows write no K/V, join no span
+        if new < self.min_rows:  # pad the batch once rather than every linear layer (see .linear); the
+            pad = torch.zeros(self.min_rows - new, dtype=torch.long)  # padding rows write no K/V, join no span
             tokens, positions = torch.cat([tokens, pad]), torch.cat([positions, pad])
         tokens, positions = tokens.to(self.device), positions.to(self.device)
         write_slots = batch.write_slots.to(self.device)

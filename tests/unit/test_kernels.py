@@ -161,7 +161,8 @@ def test_quant_linear_is_exact_block_arithmetic_and_rows_are_exact_at_any_count(
     torch.manual_seed(5)
     n, k = 48, 1536
     q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)
-    scales, mins = torch.rand(n, k // 32) * 0.01, -torch.rand(n, k // 32) * 0.05
+    scales = (torch.rand(n, k // 32) * 0.01).half().float()  # stored in float16
+    mins = (-torch.rand(n, k // 32) * 0.05).half().float()
     weight = (q.double().view(n, -1, 32) * scales.double()[..., None] + mins.double()[..., None]).view(n, k)
     bias = torch.randn(n)
     x = torch.randn(13, k).bfloat16()

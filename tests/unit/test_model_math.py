@@ -151,7 +151,8 @@ def test_prefill_chunks_and_decode_steps_in_one_call(tiny_dirs):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quant_linear_recovers_llama_cpp_blocks_and_is_row_invariant(bits):
     """Weights built like llama.cpp's Q4_1 blocks (min + step * q, q from 0 to 15, both ends used) or Q8_0
-    blocks (step * q, |q| up to 127) come back exactly: the product is theirs with the activations' rounding."""
+    blocks (step * q, |q| up to 127), steps and minimums in float16, come back exactly: the product is theirs
+    with the activations' rounding."""
     from fiberserve.model.linear import QUANT_GROUP, QuantLinear, vnni_available
 
     if bits == 8 and not vnni_available():
@@ -161,11 +162,11 @@ def test_quant_linear_recovers_llama_cpp_blocks_and_is_row_invariant(bits):
     if bits == 4:
         q = torch.randint(0, 16, (n, blocks, QUANT_GROUP))
         q[:, :, 0], q[:, :, 1] = 0, 15
-        weight = -torch.rand(n, blocks, 1) + torch.rand(n, blocks, 1) * 0.1 * q
+        weight = -torch.rand(n, blocks, 1).half().float() + (torch.rand(n, blocks, 1) * 0.1).half().float() * q
     else:
         q = torch.randint(-127, 128, (n, blocks, QUANT_GROUP))
         q[:, :, 0] = 127
-        weight = torch.rand(n, blocks, 1) * 0.01 * q
+        weight = (torch.rand(n, blocks, 1) * 0.01).half().float() * q
     weight = weight.view(n, blocks * QUANT_GROUP)
     x = torch.randn(5, blocks * QUANT_GROUP)
     layer = QuantLinear(weight, bits=bits)

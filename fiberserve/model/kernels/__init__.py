@@ -134,8 +134,8 @@ def quant_pack(
     q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weights in blocks of 32 inputs for :func:`quant_linear`: ``q`` uint8 [N, K] (N % 16 == 0, K % 32 == 0),
-    below ``2 ** bits`` (4 or 8), and the blocks' ``scales`` and ``mins`` [N, K / 32] (``w = scale * q + min``)
-    -> (weights, scales, mins) in the kernel's layout (see ``quant_gemm.cpp``)."""
+    below ``2 ** bits`` (4 or 8), and the blocks' ``scales`` and ``mins`` [N, K / 32] (``w = scale * q + min``,
+    stored in float16) -> (weights, scales, mins) in the kernel's layout (see ``quant_gemm.cpp``)."""
     n, k = q.shape
     if bits == 4:
         q6 = q.view(n // 16, 16, k // 32, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # [N/16, K/32, half, step, 16, 4]
@@ -146,7 +146,7 @@ def quant_pack(
         raise ValueError(f"bits must be 4 or 8, got {bits}")
 
     def per_block(t: torch.Tensor) -> torch.Tensor:
-        return t.float().view(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()
+        return t.half().view(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()
 
     return packed, per_block(scales), per_block(mins)
 

@@ -9,7 +9,8 @@
 //
 // Layout, per 16 output features: 8 bits as [N / 16][K / 4][16][4] bytes (one 64-byte load is a 4-input step of
 // 16 outputs); 4 bits as [N / 16][K / 32][4][16][4] bytes, the low nibble for inputs 4j..4j+3 of a block and the
-// high nibble for inputs 16+4j..16+4j+3 (one load holds two steps).  d and m: float [N / 16][K / 32][16].
+// high nibble for inputs 16+4j..16+4j+3 (one load holds two steps).  d and m: float16 [N / 16][K / 32][16], as
+// llama.cpp stores them (a quarter of the bytes of 4-bit weights, where float32 would be half).
 // For more than one row tile, a worker unpacks a column group's nibbles once into a small buffer (L1/L2) and
 // runs every row tile against it; a single tile unpacks in registers.
 //
@@ -46,6 +47,10 @@ inline __m512 load_f32(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_f32(const c10::BFloat16* p) {
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+inline __m512 load_half(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 inline void store(c10::BFloat16* out, __m512 y) {  // round to nearest even, like PyTorch
@@ -117,8 +122,8 @@ inline void step(const QuantizedRows& x, int64_t row0, int64_t input, const __m5
 // MR rows x NR column blocks.  kNibbles: w is the packed weight (unpacked here, for few rows); otherwise the
 // column group's unpacked bytes.
 template <int MR, int NR, bool kNibbles, typename out_t>
-inline void tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, int64_t w_stride, const float* d,
-                 const float* m, int64_t dm_stride, const float* bias, out_t* out, int64_t ldo) {
+inline void tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, int64_t w_stride, const c10::Half* d,
+                 const c10::Half* m, int64_t dm_stride, const float* bias, out_t* out, int64_t ldo) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
@@ -145,14 +150,17 @@ inline void tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, int64_t
         step<MR, NR>(x, row0, b * kGroup + 4 * s, wv, sums);
       }
     }
+    __m512 dv[NR], mv[NR];
+    for (int c = 0; c < NR; ++c) {
+      dv[c] = load_half(d + c * dm_stride + b * kBlock);
+      mv[c] = load_half(m + c * dm_stride + b * kBlock);
+    }
     for (int r = 0; r < MR; ++r) {
       const __m512 dx = _mm512_set1_ps(x.d[(row0 + r) * x.blocks + b]);
       const __m512 sx = _mm512_set1_ps(x.s[(row0 + r) * x.blocks + b]);
       for (int c = 0; c < NR; ++c) {
-        const __m512 dv = _mm512_loadu_ps(d + c * dm_stride + b * kBlock);
-        const __m512 mv = _mm512_loadu_ps(m + c * dm_stride + b * kBlock);
-        acc[r][c] = _mm512_fmadd_ps(mv, sx, acc[r][c]);
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][c]), _mm512_mul_ps(dv, dx), acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(mv[c], sx, acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][c]), _mm512_mul_ps(dv[c], dx), acc[r][c]);
       }
     }
   }
@@ -166,8 +174,8 @@ inline void tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, int64_t
 
 // All rows against NR column blocks: full tiles of kRows rows, then one tile of the remaining rows.
 template <int NR, bool kNibbles, typename out_t>
-void column_group(const QuantizedRows& x, int64_t M, const uint8_t* w, int64_t w_stride, const float* d,
-                  const float* m, int64_t dm_stride, const float* bias, out_t* out, int64_t ldo) {
+void column_group(const QuantizedRows& x, int64_t M, const uint8_t* w, int64_t w_stride, const c10::Half* d,
+                  const c10::Half* m, int64_t dm_stride, const float* bias, out_t* out, int64_t ldo) {
   int64_t r = 0;
   for (; r + kRows <= M; r += kRows)
     tile<kRows, NR, kNibbles, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, out + r * ldo, ldo);
@@ -183,7 +191,7 @@ void column_group(const QuantizedRows& x, int64_t M, const uint8_t* w, int64_t w
 }
 
 template <typename out_t>
-void product(const QuantizedRows& x, int64_t M, const uint8_t* packed, int bits, const float* d, const float* m,
+void product(const QuantizedRows& x, int64_t M, const uint8_t* packed, int bits, const c10::Half* d, const c10::Half* m,
              int64_t column_blocks, const float* bias, out_t* out) {
   const int64_t K = x.K, N = column_blocks * kBlock, groups = (column_blocks + kCols - 1) / kCols;
   const int64_t packed_stride = K * kBlock * bits / 8, unpacked_stride = K * kBlock, dm_stride = x.blocks * kBlock;
@@ -194,8 +202,8 @@ void product(const QuantizedRows& x, int64_t M, const uint8_t* packed, int bits,
       buffer.resize(static_cast<size_t>(kCols * unpacked_stride));
     for (int64_t g = begin; g < end; ++g) {
       const int64_t first = g * kCols, count = std::min<int64_t>(kCols, column_blocks - first);
-      const float* dg = d + first * dm_stride;
-      const float* mg = m + first * dm_stride;
+      const c10::Half* dg = d + first * dm_stride;
+      const c10::Half* mg = m + first * dm_stride;
       const float* bg = bias ? bias + first * kBlock : nullptr;
       out_t* o = out + first * kBlock;
       if (in_place) {
@@ -233,29 +241,31 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
               "quant_linear: weight not packed for this K");
   const int bits = packed.dim() == 5 ? 4 : 8;
   const int64_t column_blocks = packed.size(0);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat &&
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf &&
                   scales.numel() == column_blocks * blocks * kBlock && mins.numel() == scales.numel(),
-              "quant_linear: scales and mins must be float [N / 16, K / 32, 16]");
+              "quant_linear: scales and mins must be float16 [N / 16, K / 32, 16]");
   TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat, "quant_linear: output is bfloat16 or float32");
   const at::Tensor a = x.contiguous(), w = packed.contiguous(), d = scales.contiguous(), m = mins.contiguous();
   const at::Tensor b = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor dx = at::empty({M, blocks}, x.options().dtype(at::kFloat));
-  at::Tensor sx = at::empty({M, blocks}, x.options().dtype(at::kFloat));
+  // The quantized rows live in the calling thread's scratch buffers (no allocation per call).
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> dx, sx;
+  xq.resize(static_cast<size_t>(M * K));
+  dx.resize(static_cast<size_t>(M * blocks));
+  sx.resize(static_cast<size_t>(M * blocks));
   if (a.scalar_type() == at::kFloat) {
-    quantize_rows(a.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>());
+    quantize_rows(a.data_ptr<float>(), M, K, xq.data(), dx.data(), sx.data());
   } else {
-    quantize_rows(a.data_ptr<at::BFloat16>(), M, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
-                  sx.data_ptr<float>());
+    quantize_rows(a.data_ptr<at::BFloat16>(), M, K, xq.data(), dx.data(), sx.data());
   }
-  const QuantizedRows rows{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), K, blocks};
+  const QuantizedRows rows{xq.data(), dx.data(), sx.data(), K, blocks};
   at::Tensor out = at::empty({M, column_blocks * kBlock}, x.options().dtype(out_dtype));
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   if (out_dtype == at::kFloat) {
-    product(rows, M, wp, bits, d.data_ptr<float>(), m.data_ptr<float>(), column_blocks, bp, out.data_ptr<float>());
+    product(rows, M, wp, bits, d.data_ptr<c10::Half>(), m.data_ptr<c10::Half>(), column_blocks, bp, out.data_ptr<float>());
   } else {
-    product(rows, M, wp, bits, d.data_ptr<float>(), m.data_ptr<float>(), column_blocks, bp,
+    product(rows, M, wp, bits, d.data_ptr<c10::Half>(), m.data_ptr<c10::Half>(), column_blocks, bp,
             out.data_ptr<c10::BFloat16>());
   }
   return out;

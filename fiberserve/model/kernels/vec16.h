@@ -53,13 +53,46 @@ inline float lane_sum(f32x16 v) {
   return v[0];
 }
 
+// lane_sum of each of 16 vectors at once: result lane j = lane_sum(v[j]), bit for bit (the same halving tree,
+// lane l with l + 8, then + 4, + 2, + 1), with the shuffles shared: 4 rounds that halve the vectors' count
+// while doubling the keys per vector.  Lanes of v that hold no data only produce lanes to ignore.
+inline f32x16 lane_sums16(const f32x16 (&v)[kLanes]) {
+  // Round 1: w[i] = [v[2i] (l + l+8) for l < 8 | v[2i+1] (l + l+8) for l < 8].
+  f32x16 w[8];
+  for (int i = 0; i < 8; ++i) {
+    const f32x16 lo = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    const f32x16 hi = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    w[i] = lo + hi;
+  }
+  // Round 2: x[i] = 4 keys (2i's pair, 2i+1's pair) x 4 lanes, each lane l + l+4 of its 8.
+  f32x16 x[4];
+  for (int i = 0; i < 4; ++i) {
+    const f32x16 lo = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    const f32x16 hi = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    x[i] = lo + hi;
+  }
+  // Round 3: y[i] = 8 keys x 2 lanes, each lane l + l+2 of its 4.
+  f32x16 y[2];
+  for (int i = 0; i < 2; ++i) {
+    const f32x16 lo = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+    const f32x16 hi = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    y[i] = lo + hi;
+  }
+  // Round 4: 16 keys x 1 lane, lane 0 + lane 1 of its 2.
+  const f32x16 lo = __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const f32x16 hi = __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  return lo + hi;
+}
+
+inline i32x16 lane_index() { return i32x16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+
 // exp(x) for x <= 0 (softmax numerators), 16 lanes: x = k ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6
 // Taylor polynomial (relative error < 2e-7), 2^k through the exponent bits.  Results below 2^-126 are flushed.
 inline f32x16 exp_nonpositive(f32x16 x) {
   const f32x16 floor = x * 0.0f - 87.0f;
   x = x < floor ? floor : x;
   f32x16 k = x * 1.44269504088896341f;
-  for (int l = 0; l < kLanes; ++l) k[l] = __builtin_rintf(k[l]);
+  k = (k + 12582912.0f) - 12582912.0f;  // round to nearest even (1.5 * 2^23: |k| < 2^22), as rintf does
   const f32x16 r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
   f32x16 p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
   p = p * r + 1.0f / 24.0f;
