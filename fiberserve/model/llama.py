@@ -314,10 +314,9 @@ class LlamaModel:
             plan = _AttentionPlan.build(batch, cache.page_size, self.min_query_rows, self.dtype, self.device)
             h = self._layers_generic(h, positions, write_slots, cache, plan)
         h = F.rms_norm(h[batch.logit_rows.to(self.device)], (self.config.hidden_size,), self.norm, self.eps)
-        coarse = self.logits(h.to(self.dtype))
-        logits = coarse.float()
+        logits = self.logits(h.to(self.dtype), wide=True).float()  # float32 straight from the CPU kernels
         if self.dtype != torch.float32:
-            self._refine_top(logits, coarse, h)
+            self._refine_top(logits, h)
         return logits
 
     def _layers_fused(self, h, positions, write_slots, cache: KVCache, plan: _KernelPlan) -> None:
@@ -354,17 +353,17 @@ class LlamaModel:
             h = h + layer.down(F.silu(gate) * up)
         return h
 
-    def _refine_top(self, logits: torch.Tensor, coarse: torch.Tensor, h: torch.Tensor) -> None:
+    def _refine_top(self, logits: torch.Tensor, h: torch.Tensor) -> None:
         """Recompute the leading candidates' logits in float32, in place.
 
-        bf16 logits are coarse (steps of 0.125 near 20), so the top tokens often
-        tie and greedy decoding would pick by token id.  The exact float32 dot
-        products of the top :data:`REFINED_LOGITS` break those ties as the
-        float32 model would; the work is elementwise per row, so batch invariant.
-        The candidates are picked from ``coarse``, the bf16 logits (half the bytes
-        of ``logits``, their float32 copy).
+        Logits from bf16 (or int8) inputs are coarse, so the top tokens often
+        nearly tie and greedy decoding would pick by rounding noise.  The exact
+        float32 dot products of the top :data:`REFINED_LOGITS` break those ties as
+        the float32 model would; the work is per row, so batch invariant.
         """
-        top = coarse.topk(min(REFINED_LOGITS, coarse.shape[-1]), dim=-1).indices  # [R, k]
+        k = min(REFINED_LOGITS, logits.shape[-1])
+        on_cpu = logits.device.type == "cpu"  # the kernel is 5x torch.topk over a vocabulary
+        top = kernels.top_k_rows(logits, k)[1] if on_cpu else logits.topk(k, dim=-1).indices  # [R, k]
         exact = (h.unsqueeze(1) * self.lm_head[top].float()).sum(-1)
         logits.scatter_(1, top, exact)
 

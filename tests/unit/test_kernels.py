@@ -179,3 +179,17 @@ def test_quant_linear_is_exact_block_arithmetic_and_rows_are_exact_at_any_count(
     assert torch.equal(
         kernels.quant_linear(x.float(), *packed, bias, torch.float32), wide
     )  # bf16 rows are exact in float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_k_rows_matches_topk_and_argmax(dtype):
+    torch.manual_seed(6)
+    x = torch.randn(5, 1000).to(dtype)
+    x[2, 7] = x[2, 900] = 9.0  # a tie for the first place: the lower index comes first, as argmax picks it
+    x[3, 5] = float("nan")
+    values, indices = kernels.top_k_rows(x, 16)
+    expected = x.float().nan_to_num(-1e9).topk(16)
+    assert torch.equal(values, expected.values) and torch.equal(x.float().gather(1, indices), values)
+    assert indices[2, :2].tolist() == [7, 900]
+    assert torch.equal(kernels.top_k_rows(x, 1)[1][:, 0], x.float().nan_to_num(-1e9).argmax(-1))
+    assert torch.equal(kernels.top_k_rows(x[2:3], 16)[1][0], indices[2])  # a row alone: the same

@@ -24,7 +24,7 @@ from fiberserve.model.config import ModelConfig
 
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("ops.cpp", "paged_attention.cpp", "fused_ops.cpp", "bf16_gemm.cpp", "quant_gemm.cpp")
+    for name in ("ops.cpp", "paged_attention.cpp", "fused_ops.cpp", "bf16_gemm.cpp", "quant_gemm.cpp", "top_k.cpp")
 ]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _lock = threading.Lock()
@@ -163,3 +163,11 @@ def quant_linear(
     or float32) quantized per row and block of 32 to int8 (llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0
     arithmetic); the result in ``out_dtype`` (bfloat16 or float32); rows batch invariant at any M."""
     return torch.ops.fiberserve.quant_linear(x, packed, scales, mins, bias, out_dtype)
+
+
+def top_k_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` (<= 64) largest values of each row of ``x`` [R, n] (float32 or bf16, CPU), largest first, as
+    float32 values and int64 indices [R, k]; equal values in index order (``k=1`` is ``argmax``'s first
+    maximum).  NaN is never picked.  Much faster than ``torch.topk``/``argmax`` over a vocabulary: one pass
+    per row, rows in parallel."""
+    return torch.ops.fiberserve.top_k_rows(x, k)

@@ -17,6 +17,7 @@ TORCH_LIBRARY(fiberserve, m) {
   m.def("bf16_pack(Tensor weight) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, ScalarType out_dtype) -> Tensor");
   m.def("quant_gemm_available() -> bool");
+  m.def("top_k_rows(Tensor x, int k) -> (Tensor, Tensor)");
   m.def("quant_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor? bias, ScalarType out_dtype) -> Tensor");
 }
 
@@ -34,4 +35,5 @@ TORCH_LIBRARY_IMPL(fiberserve, CPU, m) {
   m.impl("bf16_pack", &fiberserve::bf16_pack);
   m.impl("bf16_linear", &fiberserve::bf16_linear);
   m.impl("quant_linear", &fiberserve::quant_linear);
+  m.impl("top_k_rows", &fiberserve::top_k_rows);
 }

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <tuple>
 
 namespace fiberserve {
 
@@ -30,5 +31,7 @@ bool quant_gemm_available();
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
                      const std::optional<at::Tensor>& bias, at::ScalarType out_dtype);
+
+std::tuple<at::Tensor, at::Tensor> top_k_rows(const at::Tensor& x, int64_t k);
 
 }  // namespace fiberserve
