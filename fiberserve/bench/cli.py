@@ -17,6 +17,8 @@ from fiberserve.config import default_cache_dir
 
 #: Prompt seeds of the warm-up and the streamed run; the levels use 1, 2, 3, ... (see ``_levels``).
 WARMUP_SEED, STREAM_SEED = 100, 200
+#: The fiberserve server with ``--quantization int4``: llama.cpp's arithmetic, the like-for-like llama-server peer.
+INT4_LABEL = "fiberserve int4"
 
 
 def _levels(spec: LoadSpec, concurrency: list[int], rates: list[float], requests_per_client: int) -> list[LoadSpec]:
@@ -29,6 +31,11 @@ def _levels(spec: LoadSpec, concurrency: list[int], rates: list[float], requests
     specs = [replace(spec, concurrency=c, requests=max(spec.requests, c * requests_per_client)) for c in concurrency]
     specs += [replace(spec, rate=r, concurrency=1) for r in rates]
     return [replace(s, seed=spec.seed + 1 + i) for i, s in enumerate(specs)]
+
+
+def _warm_up(spec: LoadSpec) -> None:
+    """A few requests first, so no level pays a server's first-request costs."""
+    asyncio.run(run_load(replace(spec, requests=4, concurrency=2, seed=WARMUP_SEED)))
 
 
 def _run_levels(specs: list[LoadSpec], label: str) -> list[LoadResult]:
@@ -91,7 +98,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     base = LoadSpec(url="", requests=args.requests, duration_s=args.duration, prompt_words=40, output_len=64)
     top = max(args.concurrency)
-    servers = [P.fiberserve_server(args.port, args.model, ["--max-running", str(top), *args.fiberserve_args])]
+    flags = ["--max-running", str(top), *args.fiberserve_args]
+    servers = [  # bf16 computes what vLLM does; int4 what llama-server does (Q4_1 x Q8_1)
+        P.fiberserve_server(args.port, args.model, flags),
+        P.fiberserve_server(args.port, args.model, [*flags, "--quantization", "int4"], label=INT4_LABEL),
+    ]
     missing = []
     llama = P.llama_server(args.port + 1, gguf, peers_dir, slots=top)
     (servers.append(llama) if llama else missing.append("llama-server (run scripts/peers/build_llama_server.sh)"))
@@ -107,7 +118,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         server.start(out_dir)
         try:
             spec = replace(base, url=server.url, model=server.model, fresh_connections=server.fresh_connections)
-            asyncio.run(run_load(replace(spec, requests=4, concurrency=2, seed=WARMUP_SEED)))  # warm up
+            _warm_up(spec)
             series[server.name] = _run_levels(
                 _levels(spec, args.concurrency, [], args.requests_per_client), server.name
             )
@@ -125,7 +136,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
             ("fibers 2", ["--fibers", "2"]),
             ("fibers 4", ["--fibers", "4"]),
             ("float32", ["--dtype", "float32"]),
-            ("int4 weights", ["--quantization", "int4"]),
         ]:
             server = P.fiberserve_server(
                 args.port,
@@ -136,6 +146,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             server.start(out_dir)
             try:
                 spec = replace(base, url=server.url)
+                _warm_up(spec)
                 ablation[label] = _run_levels(
                     _levels(spec, args.concurrency, [], args.requests_per_client), server.name
                 )
@@ -193,8 +204,10 @@ def _report(args, series, streamed, ablation, servers, missing) -> str:
     ]
     for name in names:
         lines.append(f"| {name} | " + " | ".join(f"{r.output_tokens_per_s:.1f}" for r in series[name]) + " |")
-    for peer in names[1:]:
-        lines.append(_ratio_row(f"ratio fiberserve / {peer}", series[names[0]], series[peer]))
+    ours = [name for name in names if name.startswith("fiberserve")]
+    for name in ours:
+        for peer in (n for n in names if n not in ours):
+            lines.append(_ratio_row(f"ratio {name} / {peer}", series[name], series[peer]))
     lines += ["", "## Latency (non-streaming), per server", ""]
     for name in names:
         lines += [f"### {name}", "", summarize(series[name]), ""]
@@ -219,8 +232,6 @@ def _report(args, series, streamed, ablation, servers, missing) -> str:
         ]
         for label, rs in ablation.items():
             lines.append(f"| {label} | " + " | ".join(f"{r.output_tokens_per_s:.1f}" for r in rs) + " |")
-        if "int4 weights" in ablation:  # 4-bit weights against every peer (llama-server's Q4_1 is 4-bit too)
-            lines += [_ratio_row(f"ratio int4 / {peer}", ablation["int4 weights"], series[peer]) for peer in names[1:]]
     lines += ["", "![throughput and latency](bench-results/benchmarks.png)", ""]
     notes = Path(args.notes)
     if notes.is_file():  # the hand-written analysis: where the time goes, what misses and why
