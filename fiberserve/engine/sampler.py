@@ -45,9 +45,9 @@ def _truncate(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def _argmax_rows(logits: torch.Tensor) -> list[int]:
-    """``logits.argmax(-1)`` (the first maximum), by the CPU kernel where it runs (8x faster over a vocabulary)."""
-    if logits.dtype in (torch.float32, torch.bfloat16):
-        kernels.load()
+    """``logits.argmax(-1)`` (the first maximum), by the CPU kernel where the model built the kernels (8x faster
+    over a vocabulary)."""
+    if kernels.loaded() and logits.dtype in (torch.float32, torch.bfloat16):
         picked = kernels.top_k_rows(logits, 1)[1][:, 0]
         if bool((picked >= 0).all()):  # a row of NaN has no pick: leave it to torch
             return picked.tolist()

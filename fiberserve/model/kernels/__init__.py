@@ -49,6 +49,11 @@ def load() -> None:
         _loaded = True
 
 
+def loaded() -> bool:
+    """Whether :func:`load` has run in this process (the ops are registered)."""
+    return _loaded
+
+
 def supports(config: ModelConfig, dtype: torch.dtype) -> bool:
     """Whether the kernels handle this model in ``dtype`` (sizes in multiples of 16 lanes, <= 16 heads per kv head)."""
     group = config.num_heads // config.num_kv_heads
