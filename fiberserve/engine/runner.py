@@ -62,29 +62,26 @@ class ModelRunner:
         self.faults = faults
         if threads:
             torch.set_num_threads(threads)  # per calling thread: this fiber's worker
-        self._page_offsets = torch.arange(self.page_size)
-
-    def _slots(self, pages: tuple[int, ...], count: int) -> torch.Tensor:
-        base = torch.tensor(pages, dtype=torch.long).unsqueeze(1) * self.page_size
-        return (base + self._page_offsets).flatten()[:count]
 
     def build_batch(self, flight: Flight) -> ForwardBatch:
+        """The flight as one flat batch, built in Python lists (a few microseconds per item) and turned
+        into tensors once: per-item tensor ops cost ~1 ms per step at 64 sequences."""
+        page_size = self.page_size
         tokens, positions, write_slots, spans, logit_rows = [], [], [], [], []
         row = 0
         for item in flight.items:
             end = item.start + item.length
-            slots = self._slots(item.pages, end)
             tokens.extend(item.seq.token_slice(item.start, end))
-            positions.append(torch.arange(item.start, end))
-            write_slots.append(slots[item.start : end])
-            spans.append(SequenceSpan(row, item.length, end, slots, item.pages))
+            positions.extend(range(item.start, end))
+            write_slots.extend(item.pages[p // page_size] * page_size + p % page_size for p in range(item.start, end))
+            spans.append(SequenceSpan(row, item.length, end, pages=item.pages))
             row += item.length
             if item.samples:
                 logit_rows.append(row - 1)
         return ForwardBatch(
             tokens=torch.tensor(tokens, dtype=torch.long),
-            positions=torch.cat(positions),
-            write_slots=torch.cat(write_slots),
+            positions=torch.tensor(positions, dtype=torch.long),
+            write_slots=torch.tensor(write_slots, dtype=torch.long),
             spans=spans,
             logit_rows=torch.tensor(logit_rows, dtype=torch.long),
         )

@@ -66,7 +66,8 @@ class SequenceSpan:
     start: int  #: first row of this sequence's new tokens in the flat batch
     length: int  #: number of new tokens (1 for decode)
     context: int  #: keys visible after this step (cached + new)
-    slots: torch.Tensor  #: LongTensor [context]: the KV slot of every position 0..context-1
+    #: LongTensor [context]: the KV slot of every position 0..context-1 (page-aligned), or None with ``pages``
+    slots: torch.Tensor | None = None
     pages: tuple[int, ...] | None = None  #: the pages holding those slots, in order (derived from slots if None)
 
     def page_list(self, page_size: int) -> list[int]:
@@ -74,6 +75,7 @@ class SequenceSpan:
         used = -(-self.context // page_size)
         if self.pages is not None:
             return list(self.pages[:used])
+        assert self.slots is not None, "a span needs its slots or its pages"
         return (self.slots[: self.context : page_size] // page_size).tolist()
 
 
@@ -113,8 +115,8 @@ def _page_table(span: SequenceSpan, page_size: int, padded: int) -> torch.Tensor
     so every ``page_size``-th slot names the next page.
     """
     pages = torch.zeros(padded // page_size, dtype=torch.long)
-    used = span.slots[: span.context : page_size] // page_size
-    pages[: used.numel()] = used
+    used = span.page_list(page_size)
+    pages[: len(used)] = torch.tensor(used, dtype=torch.long)
     return pages
 
 
