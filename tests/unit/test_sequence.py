@@ -65,3 +65,20 @@ def test_token_slice_equals_slicing_all_tokens():
         a = rng.randrange(len(full))
         b = rng.randrange(a, len(full) + 1)
         assert seq.token_slice(a, b) == full[a:b]
+
+
+def test_greedy_sampling_picks_the_first_maximum_and_survives_nan_rows():
+    import torch
+
+    from fiberserve.engine.sampler import sample
+    from fiberserve.model import kernels
+
+    kernels.load()  # the sampler's argmax kernel serves once the model has built the kernels
+    greedy = SamplingParams(temperature=0)
+    torch.manual_seed(7)
+    logits = torch.randn(3, 4000)
+    logits[1, 10] = logits[1, 3000] = 50.0  # a tie: the first index wins, as with torch.argmax
+    picked = [token for token, _ in sample(logits, [make(greedy) for _ in range(3)])]
+    assert picked == logits.argmax(-1).tolist() and picked[1] == 10
+    logits[2] = float("nan")  # no kernel pick for a NaN row: torch's argmax decides the whole batch
+    assert [token for token, _ in sample(logits, [make(greedy) for _ in range(3)])] == logits.argmax(-1).tolist()
