@@ -13,12 +13,16 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from fiberserve.bench.loadgen import LoadResult, LoadSpec, plot, run_load, summarize
+from fiberserve.bench.peak import Peaks, TokenFlops, bound_tokens_per_s, linear_flops, measure_peaks
 from fiberserve.config import default_cache_dir
+from fiberserve.model.loader import read_config
 
 #: Prompt seeds of the warm-up and the streamed run; the levels use 1, 2, 3, ... (see ``_levels``).
 WARMUP_SEED, STREAM_SEED = 100, 200
 #: The fiberserve server with ``--quantization int4``: llama.cpp's arithmetic, the like-for-like llama-server peer.
 INT4_LABEL = "fiberserve int4"
+#: Issue 7's compute bound: ~0.27 GFLOP per token at the "~550-800 GFLOP/s" it quotes for bf16 products here.
+NOMINAL_BOUND = 2000.0
 
 
 def _levels(spec: LoadSpec, concurrency: list[int], rates: list[float], requests_per_client: int) -> list[LoadSpec]:
@@ -76,6 +80,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_peak(args: argparse.Namespace) -> int:
+    from fiberserve.model.assets import default_model_path
+
+    peaks = measure_peaks()
+    flops = linear_flops(read_config(args.model or default_model_path(args.cache_dir)))
+    print(peaks.describe())
+    print(f"GFLOP per generated token {flops.generated / 1e9:.3f}, per prompt token {flops.prompt / 1e9:.3f}")
+    for kind in ("bf16", "int8"):
+        print(f"decode-only bound at the {kind} peak: {bound_tokens_per_s(getattr(peaks, kind), flops):.0f} tokens/s")
+    return 0
+
+
 def _machine() -> str:
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -96,6 +112,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     gguf = args.model or str(default_model_path(cache))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    peaks = measure_peaks()  # first, while the machine is idle
+    print(peaks.describe(), file=sys.stderr)
+    flops = linear_flops(read_config(gguf))
     base = LoadSpec(url="", requests=args.requests, duration_s=args.duration, prompt_words=40, output_len=64)
     top = max(args.concurrency)
     flags = ["--max-running", str(top), *args.fiberserve_args]
@@ -153,7 +172,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             finally:
                 server.stop()
     plot(series, str(out_dir / "benchmarks.png"))
-    text = _report(args, series, streamed, ablation, servers, missing)
+    text = _report(args, series, streamed, ablation, servers, missing, _bound_section(series, peaks, flops))
     Path(args.output).write_text(text)
     (out_dir / "results.json").write_text(
         json.dumps(
@@ -177,7 +196,40 @@ def _ratio_row(label: str, ours: list[LoadResult], theirs: list[LoadResult]) -> 
     return f"| {label} | " + " | ".join(f"{x:.2f}x" for x in ratios) + " |"
 
 
-def _report(args, series, streamed, ablation, servers, missing) -> str:
+def _bound_section(series: dict[str, list[LoadResult]], peaks: Peaks, flops: TokenFlops) -> list[str]:
+    """How close each fiberserve row came to the machine's compute bound, at each level."""
+    giga = 1e9
+    lines = [
+        "## Compute bound",
+        "",
+        f"Dot-product peak measured by `fiberserve bench peak` before the servers ran: {peaks.describe()}.",
+        f"Linear-layer work per generated token {flops.generated / giga:.3f} GFLOP (decoder "
+        f"{flops.decoder / giga:.3f} + output head {flops.head / giga:.3f}), per prompt token "
+        f"{flops.prompt / giga:.3f} GFLOP; attention and elementwise work not counted.",
+        "",
+        f"Decode-only bound at the measured bf16 peak: {bound_tokens_per_s(peaks.bf16, flops):.0f} tokens/s "
+        f"(issue 7 quotes ~{NOMINAL_BOUND:.0f}, from 550-800 GFLOP/s); at the int8 peak: "
+        f"{bound_tokens_per_s(peaks.int8, flops):.0f}.  Rows below: the output tokens/s, that as a share of "
+        f"{NOMINAL_BOUND:.0f}, and the linear-layer rate the run sustained (generated and prompt tokens) as a "
+        "share of each peak.",
+        "",
+        "| server | C | out tok/s | prompt tok / out tok | of 2000 | linear GOP/s | of bf16 peak | of int8 peak |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, results in series.items():
+        if not name.startswith("fiberserve"):
+            continue
+        for r in results:
+            rate = (r.output_tokens * flops.generated + r.prompt_tokens * flops.prompt) / r.wall_s
+            lines.append(
+                f"| {name} | {r.spec['concurrency']} | {r.output_tokens_per_s:.1f} | "
+                f"{r.prompt_tokens / max(r.output_tokens, 1):.2f} | {r.output_tokens_per_s / NOMINAL_BOUND:.0%} | "
+                f"{rate / giga:.0f} | {rate / peaks.bf16:.0%} | {rate / peaks.int8:.0%} |"
+            )
+    return [*lines, ""]
+
+
+def _report(args, series, streamed, ablation, servers, missing, bound: list[str]) -> str:
     levels = args.concurrency
     names = list(series)
     lines = [
@@ -208,7 +260,7 @@ def _report(args, series, streamed, ablation, servers, missing) -> str:
     for name in ours:
         for peer in (n for n in names if n not in ours):
             lines.append(_ratio_row(f"ratio {name} / {peer}", series[name], series[peer]))
-    lines += ["", "## Latency (non-streaming), per server", ""]
+    lines += ["", *bound, "## Latency (non-streaming), per server", ""]
     for name in names:
         lines += [f"### {name}", "", summarize(series[name]), ""]
     lines += [
@@ -272,10 +324,15 @@ def main(argv: list[str]) -> int:
     compare.add_argument("--output", default="BENCHMARKS.md")
     compare.add_argument("--out-dir", default="bench-results")
     compare.add_argument("--notes", default="docs/benchmark-analysis.md", help="markdown appended to the report")
+    peak = sub.add_parser("peak", help="the CPU's dot-product peak and the compute bound it sets for a model")
+    peak.add_argument("--model", help="GGUF file or Hugging Face directory (default: the embedded model)")
+    peak.add_argument("--cache-dir", default=str(default_cache_dir()))
     args = parser.parse_args(argv)
     args.argv = argv
     if args.command == "run":
         return cmd_run(args)
+    if args.command == "peak":
+        return cmd_peak(args)
     args.fiberserve_args = shlex.split(args.fiberserve_args)
     return cmd_compare(args)
 

@@ -65,6 +65,7 @@ class Sample:
     ttft: float | None
     output_tokens: int
     error: str | None = None
+    prompt_tokens: int = 0
 
 
 @dataclass
@@ -75,6 +76,8 @@ class LoadResult:
     errors: int
     output_tokens: int
     output_tokens_per_s: float
+    #: Prompt tokens of the completed requests, as the server counted them (0 where it did not say).
+    prompt_tokens: int
     requests_per_s: float
     ttft_p50_ms: float | None
     ttft_p99_ms: float | None
@@ -121,6 +124,15 @@ def _carries_text(chunk: dict) -> bool:
     return bool(chunk.get("text"))
 
 
+def _usage(spec: LoadSpec, data: dict) -> dict:
+    """The token counts of a response (or streamed chunk): SGLang's ``meta_info`` or OpenAI's ``usage``."""
+    return data["meta_info"] if spec.api == "sglang" else data["usage"]
+
+
+def _prompt(usage: dict) -> int:
+    return int(usage.get("prompt_tokens") or 0)
+
+
 async def _one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str) -> Sample:
     path, body = _body(spec, prompt)
     started = time.perf_counter()
@@ -130,12 +142,9 @@ async def _one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str) -> Sample
             r = await client.post(path, json=body)
             if r.status_code != 200:
                 return Sample(False, time.perf_counter() - started, None, 0, f"{r.status_code} {r.text[:200]}")
-            data = r.json()
-            tokens = (
-                data["meta_info"]["completion_tokens"] if spec.api == "sglang" else data["usage"]["completion_tokens"]
-            )
-            return Sample(True, time.perf_counter() - started, None, tokens)
-        tokens = 0
+            usage = _usage(spec, r.json())
+            return Sample(True, time.perf_counter() - started, None, usage["completion_tokens"], None, _prompt(usage))
+        tokens = prompt = 0
         async with client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
                 return Sample(False, time.perf_counter() - started, None, 0, f"{r.status_code}")
@@ -145,13 +154,12 @@ async def _one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str) -> Sample
                 data = json.loads(line[5:])
                 if ttft is None and _carries_text(data):  # as vLLM's benchmark: the first chunk with text
                     ttft = time.perf_counter() - started
-                if spec.api == "sglang":
-                    tokens = data["meta_info"]["completion_tokens"]
-                elif data.get("usage"):
-                    tokens = data["usage"]["completion_tokens"]
+                if spec.api == "sglang" or data.get("usage"):
+                    usage = _usage(spec, data)
+                    tokens, prompt = usage["completion_tokens"], _prompt(usage)
                 elif data.get("choices"):
                     tokens += 1
-        return Sample(True, time.perf_counter() - started, ttft, tokens)
+        return Sample(True, time.perf_counter() - started, ttft, tokens, None, prompt)
     except (httpx.HTTPError, KeyError, ValueError) as exc:
         return Sample(False, time.perf_counter() - started, ttft, 0, f"{type(exc).__name__}: {exc}")
 
@@ -197,6 +205,7 @@ async def run_load(spec: LoadSpec) -> LoadResult:
         errors=len(samples) - len(ok),
         output_tokens=out_tokens,
         output_tokens_per_s=out_tokens / wall if wall else 0.0,
+        prompt_tokens=sum(s.prompt_tokens for s in ok),
         requests_per_s=len(ok) / wall if wall else 0.0,
         ttft_p50_ms=_percentile([s.ttft for s in ok if s.ttft is not None], 50),
         ttft_p99_ms=_percentile([s.ttft for s in ok if s.ttft is not None], 99),

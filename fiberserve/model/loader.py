@@ -38,6 +38,16 @@ def load_checkpoint(path: str | Path, progress: bool = True) -> Checkpoint:
     raise FileNotFoundError(f"--model {path}: expected a .gguf file or a Hugging Face model directory")
 
 
+def read_config(path: str | Path) -> ModelConfig:
+    """The model's configuration alone (no weights read) from a ``.gguf`` file or a Hugging Face directory."""
+    path = Path(path)
+    if path.is_dir():
+        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    import gguf
+
+    return gguf_config(gguf.GGUFReader(str(path)))
+
+
 # ---------------------------------------------------------------- GGUF
 
 _GGUF_NAMES = {

@@ -309,8 +309,15 @@ def test_load_generator_against_the_real_server(server):
 
     from fiberserve.bench.loadgen import LoadSpec, run_load
 
+    prompt_tokens = set()
     for api in ("openai", "sglang"):
-        spec = LoadSpec(url=server.url, api=api, concurrency=2, requests=4, output_len=8, stream=True, prompt_words=8)
-        result = asyncio.run(run_load(spec))
-        assert (result.completed, result.errors, result.output_tokens) == (4, 0, 32), result.first_errors
-        assert 0 < result.ttft_p50_ms <= result.e2e_p50_ms and result.output_tokens_per_s > 0
+        for stream in (True, False):
+            spec = LoadSpec(server.url, api=api, concurrency=2, requests=4, output_len=8, stream=stream, prompt_words=8)
+            result = asyncio.run(run_load(spec))
+            assert (result.completed, result.errors, result.output_tokens) == (4, 0, 32), result.first_errors
+            assert result.output_tokens_per_s > 0
+            if stream:
+                assert 0 < result.ttft_p50_ms <= result.e2e_p50_ms
+            prompt_tokens.add(result.prompt_tokens)
+    # the same four prompts each time: every API and mode reports the same prompt tokens, 8+ words each
+    assert len(prompt_tokens) == 1 and prompt_tokens.pop() >= 4 * 8

@@ -1,0 +1,47 @@
+"""`fiberserve bench peak`: the FLOP count per token and the measured dot-product peaks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fiberserve.bench.cli import main as bench_main
+from fiberserve.bench.peak import Peaks, bound_tokens_per_s, linear_flops, measure_peaks
+from fiberserve.model.config import ModelConfig
+
+SMOLLM2_135M = ModelConfig(
+    architecture="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+)
+
+
+def test_linear_flops_of_smollm2_135m():
+    flops = linear_flops(SMOLLM2_135M)
+    # per layer: qkv 576 x (576 + 2 x 192), o 576 x 576, gate and up 2 x 576 x 1536, down 1536 x 576
+    assert flops.decoder == 2 * 30 * (576 * 960 + 576 * 576 + 3 * 576 * 1536)
+    assert flops.head == 2 * 576 * 49152 and flops.prompt == flops.decoder
+    assert round(flops.generated / 1e9, 2) == 0.27  # the issue's "~0.27 GFLOP per token"
+    assert bound_tokens_per_s(2 * 0.269e12, flops) == pytest.approx(2 * 0.269e12 / flops.generated)
+
+
+def test_peaks_exist_exactly_where_the_cpu_has_the_instructions():
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    peaks = measure_peaks(threads=1, iterations=2_000_000)
+    assert isinstance(peaks, Peaks) and peaks.threads == 1
+    assert (peaks.fp32 > 0) == ("avx512f" in flags)
+    assert (peaks.bf16 > 0) == ("avx512_bf16" in flags)
+    assert (peaks.int8 > 0) == ("avx512_vnni" in flags)
+
+
+def test_bench_peak_command_prints_the_peaks_and_bounds(model_path, cache_dir, capsys):
+    assert bench_main(["peak", "--model", str(model_path), "--cache-dir", str(cache_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "GFLOP per generated token 0.269, per prompt token 0.212" in out
+    assert "decode-only bound at the bf16 peak" in out and "vdpbf16ps" in out
