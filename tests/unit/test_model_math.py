@@ -148,14 +148,18 @@ def test_prefill_chunks_and_decode_steps_in_one_call(tiny_dirs):
     torch.testing.assert_close(second[-1], ref_b[-1], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_quant_linear_recovers_llama_cpp_blocks_and_is_row_invariant(bits):
+@pytest.mark.parametrize("bits, fallback", [(4, False), (8, False), (4, True)])
+def test_quant_linear_recovers_llama_cpp_blocks_and_is_row_invariant(bits, fallback, monkeypatch):
     """Weights built like llama.cpp's Q4_1 blocks (min + step * q, q from 0 to 15, both ends used) or Q8_0
     blocks (step * q, |q| up to 127), steps and minimums in float16, come back exactly: the product is theirs
-    with the activations' rounding."""
+    with the activations' rounding.  ``fallback``: the path of CPUs without AVX512-VNNI (PyTorch's int4
+    kernel, activations unquantized), taken here on purpose."""
+    import fiberserve.model.linear as linear_module
     from fiberserve.model.linear import QUANT_GROUP, QuantLinear, vnni_available
 
-    if bits == 8 and not vnni_available():
+    if fallback:
+        monkeypatch.setattr(linear_module, "vnni_available", lambda: False)
+    elif bits == 8 and not vnni_available():
         pytest.skip("8-bit blocks need AVX512-VNNI")
     torch.manual_seed(0)
     n, blocks = 48, 3
@@ -170,6 +174,7 @@ def test_quant_linear_recovers_llama_cpp_blocks_and_is_row_invariant(bits):
     weight = weight.view(n, blocks * QUANT_GROUP)
     x = torch.randn(5, blocks * QUANT_GROUP)
     layer = QuantLinear(weight, bits=bits)
+    assert layer.vnni == (not fallback and vnni_available())
     if layer.vnni:  # llama.cpp's arithmetic: activations in int8 per block of 32
         blocks_of_x = x.view(5, blocks, QUANT_GROUP)
         step = blocks_of_x.abs().amax(-1, keepdim=True) / 127
