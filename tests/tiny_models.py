@@ -59,7 +59,8 @@ def write_hf(
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    config = {**cfg, "architectures": [arch], "model_type": "qwen2" if "Qwen2" in arch else "llama"}
+    model_type = next((t for t in ("qwen2", "mistral") if arch.lower().startswith(t)), "llama")
+    config = {**cfg, "architectures": [arch], "model_type": model_type}
     (path / "config.json").write_text(json.dumps(config))
     names = sorted(weights)
     if shards == 1:
@@ -113,6 +114,8 @@ def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], qtype=No
     w.add_vocab_size(cfg["vocab_size"])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
+    if cfg.get("sliding_window"):
+        w.add_sliding_window(cfg["sliding_window"])
 
     def put(name: str, value: np.ndarray) -> None:
         value = np.ascontiguousarray(value, dtype=np.float32)

@@ -134,7 +134,7 @@ class LlmService:
         self.model = model
         self.tokenizer = tokenizer
         self.model_path = model_path
-        self.max_context = model.config.max_position_embeddings
+        self.max_context = model.config.max_context
         page_bytes = KVCache.bytes_per_page(model.config, config.page_size, model.dtype)
         num_pages = config.kv_pages or max(2, int(config.kv_cache_mb * 2**20) // page_bytes)
         self.kv_cache = KVCache(model.config, num_pages, config.page_size, model.dtype, model.device)

@@ -49,12 +49,26 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    #: How many of the latest keys a token attends to (Mistral's sliding window); None: all of them.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence (prompt plus output) served.
+
+        Attention here always sees every earlier key, which is what a sliding window of ``w`` keys
+        computes for sequences of at most ``w`` tokens; so a model with a window is served up to its
+        window, where the two agree exactly (vLLM caps ``max_model_len`` the same way on backends
+        without windowed attention), rather than past it with silently different attention."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -80,4 +94,6 @@ class ModelConfig:
             attention_bias=arch == "qwen2" or cfg.get("attention_bias", False),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            # Qwen2 configs name a window but switch it off with use_sliding_window: false
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
         )

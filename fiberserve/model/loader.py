@@ -110,6 +110,7 @@ def gguf_config(reader) -> ModelConfig:
         attention_bias=any(n.endswith("attn_q.bias") for n in names),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        sliding_window=int(window) if (window := get("attention.sliding_window")) else None,
     )
 
 

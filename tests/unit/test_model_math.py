@@ -87,6 +87,33 @@ def test_architecture_variants_match_transformers(tmp_path, variant):
     torch.testing.assert_close(ours, hf_logits(path, TOKENS * 3), atol=1e-4, rtol=0)
 
 
+def test_sliding_window_models_are_served_up_to_their_window(tmp_path):
+    """Mistral's sliding window: within the window it is full attention, so the logits match transformers'
+    MistralForCausalLM there, and the context served stops at the window (from config.json and from GGUF)."""
+    from fiberserve.config import EngineConfig
+    from fiberserve.engine import InvalidParameter, LlmService, SamplingParams
+    from fiberserve.model.config import ModelConfig
+
+    cfg = {**TINY, "sliding_window": 12}
+    weights = random_weights(cfg, seed=4)
+    path = write_hf(tmp_path / "m", cfg, weights, arch="MistralForCausalLM")
+    ck = load_checkpoint(path, progress=False)
+    assert (ck.config.sliding_window, ck.config.max_context) == (12, 12)
+    tokens = (TOKENS * 2)[:12]
+    model = LlamaModel(ck)
+    torch.testing.assert_close(logits_of(model, tokens), hf_logits(path, tokens), atol=1e-4, rtol=0)
+    longer = (TOKENS * 2)[:16]  # past the window the two differ: why the context stops there
+    assert not torch.allclose(logits_of(model, longer)[-1], hf_logits(path, longer)[-1], atol=1e-3)
+    gguf_config = load_checkpoint(write_gguf(tmp_path / "m.gguf", cfg, weights), progress=False).config
+    assert (gguf_config.sliding_window, gguf_config.max_context) == (12, 12)
+    qwen = ModelConfig.from_hf({**cfg, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False})
+    assert (qwen.sliding_window, qwen.max_context) == (None, 512)
+    service = LlmService(EngineConfig(dtype="float32", kv_pages=8), model, tokenizer=None, model_path=str(path))
+    service.validate(tokens[:8], SamplingParams(max_new_tokens=4))  # 12 tokens: fits
+    with pytest.raises(InvalidParameter, match="exceeds the context length 12"):
+        service.validate(tokens[:8], SamplingParams(max_new_tokens=5))
+
+
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0"])
 def test_quantized_gguf_is_dequantized_by_the_gguf_package(tmp_path, qtype):
     import gguf
