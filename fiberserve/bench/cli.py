@@ -5,15 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import shlex
 import sys
-import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from fiberserve.bench.loadgen import LoadResult, LoadSpec, plot, run_load, summarize
-from fiberserve.bench.peak import Peaks, TokenFlops, bound_tokens_per_s, linear_flops, measure_peaks
+from fiberserve.bench.peak import bound_tokens_per_s, linear_flops, measure_peaks
+from fiberserve.bench.report import render
 from fiberserve.config import default_cache_dir
 from fiberserve.model.loader import read_config
 
@@ -21,8 +20,6 @@ from fiberserve.model.loader import read_config
 WARMUP_SEED, STREAM_SEED = 100, 200
 #: The fiberserve server with ``--quantization int4``: llama.cpp's arithmetic, the like-for-like llama-server peer.
 INT4_LABEL = "fiberserve int4"
-#: Issue 7's compute bound: ~0.27 GFLOP per token at the "~550-800 GFLOP/s" it quotes for bf16 products here.
-NOMINAL_BOUND = 2000.0
 
 
 def _levels(spec: LoadSpec, concurrency: list[int], rates: list[float], requests_per_client: int) -> list[LoadSpec]:
@@ -90,17 +87,6 @@ def cmd_peak(args: argparse.Namespace) -> int:
     for kind in ("bf16", "int8"):
         print(f"decode-only bound at the {kind} peak: {bound_tokens_per_s(getattr(peaks, kind), flops):.0f} tokens/s")
     return 0
-
-
-def _machine() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor()
-    import os
-
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.platform()}"
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -172,7 +158,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             finally:
                 server.stop()
     plot(series, str(out_dir / "benchmarks.png"))
-    text = _report(args, series, streamed, ablation, servers, missing, _bound_section(series, peaks, flops))
+    command = " ".join(["fiberserve", "bench", *map(shlex.quote, args.argv)])
+    text = render(command, args.concurrency, series, streamed, ablation, servers, missing, peaks, flops, args.notes)
     Path(args.output).write_text(text)
     (out_dir / "results.json").write_text(
         json.dumps(
@@ -185,110 +172,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     )
     print(text)
     return 0
-
-
-def _ratio_row(label: str, ours: list[LoadResult], theirs: list[LoadResult]) -> str:
-    """A markdown table row of output-throughput ratios, level by level."""
-    ratios = [
-        a.output_tokens_per_s / b.output_tokens_per_s if b.output_tokens_per_s else float("nan")
-        for a, b in zip(ours, theirs, strict=True)
-    ]
-    return f"| {label} | " + " | ".join(f"{x:.2f}x" for x in ratios) + " |"
-
-
-def _bound_section(series: dict[str, list[LoadResult]], peaks: Peaks, flops: TokenFlops) -> list[str]:
-    """How close each fiberserve row came to the machine's compute bound, at each level."""
-    giga = 1e9
-    lines = [
-        "## Compute bound",
-        "",
-        f"Dot-product peak measured by `fiberserve bench peak` before the servers ran: {peaks.describe()}.",
-        f"Linear-layer work per generated token {flops.generated / giga:.3f} GFLOP (decoder "
-        f"{flops.decoder / giga:.3f} + output head {flops.head / giga:.3f}), per prompt token "
-        f"{flops.prompt / giga:.3f} GFLOP; attention and elementwise work not counted.",
-        "",
-        f"Decode-only bound at the measured bf16 peak: {bound_tokens_per_s(peaks.bf16, flops):.0f} tokens/s "
-        f"(issue 7 quotes ~{NOMINAL_BOUND:.0f}, from 550-800 GFLOP/s); at the int8 peak: "
-        f"{bound_tokens_per_s(peaks.int8, flops):.0f}.  Rows below: the output tokens/s, that as a share of "
-        f"{NOMINAL_BOUND:.0f}, and the linear-layer rate the run sustained (generated and prompt tokens) as a "
-        "share of each peak.",
-        "",
-        "| server | C | out tok/s | prompt tok / out tok | of 2000 | linear GOP/s | of bf16 peak | of int8 peak |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for name, results in series.items():
-        if not name.startswith("fiberserve"):
-            continue
-        for r in results:
-            rate = (r.output_tokens * flops.generated + r.prompt_tokens * flops.prompt) / r.wall_s
-            lines.append(
-                f"| {name} | {r.spec['concurrency']} | {r.output_tokens_per_s:.1f} | "
-                f"{r.prompt_tokens / max(r.output_tokens, 1):.2f} | {r.output_tokens_per_s / NOMINAL_BOUND:.0%} | "
-                f"{rate / giga:.0f} | {rate / peaks.bf16:.0%} | {rate / peaks.int8:.0%} |"
-            )
-    return [*lines, ""]
-
-
-def _report(args, series, streamed, ablation, servers, missing, bound: list[str]) -> str:
-    levels = args.concurrency
-    names = list(series)
-    lines = [
-        "# Benchmarks",
-        "",
-        f"Generated by `{' '.join(['fiberserve', 'bench', *map(shlex.quote, args.argv)])}` on "
-        f"{time.strftime('%Y-%m-%d %H:%M %Z')}.",
-        "",
-        f"Machine: {_machine()}.",
-        "",
-        "Workload: SmolLM2-135M-Instruct, 40-word prompts, 64 output tokens forced (ignore_eos), temperature 0, "
-        "non-streaming, closed loop; output tokens/s over the whole run.",
-        "",
-        "Servers: " + "; ".join(f"{s.name} ({s.version})" for s in servers) + ".",
-        "",
-    ]
-    if missing:
-        lines += ["Not measured (not installed): " + "; ".join(missing) + ".", ""]
-    lines += [
-        "## Output tokens/s",
-        "",
-        "| server | " + " | ".join(f"C={c}" for c in levels) + " |",
-        "| --- |" + " --- |" * len(levels),
-    ]
-    for name in names:
-        lines.append(f"| {name} | " + " | ".join(f"{r.output_tokens_per_s:.1f}" for r in series[name]) + " |")
-    ours = [name for name in names if name.startswith("fiberserve")]
-    for name in ours:
-        for peer in (n for n in names if n not in ours):
-            lines.append(_ratio_row(f"ratio {name} / {peer}", series[name], series[peer]))
-    lines += ["", *bound, "## Latency (non-streaming), per server", ""]
-    for name in names:
-        lines += [f"### {name}", "", summarize(series[name]), ""]
-    lines += [
-        "## Streaming at C=16",
-        "",
-        "| server | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for name, r in streamed.items():
-        lines.append(
-            f"| {name} | {r.output_tokens_per_s:.1f} | {r.ttft_p50_ms or 0:.0f} | {r.ttft_p99_ms or 0:.0f} | "
-            f"{r.tpot_p50_ms or 0:.0f} |"
-        )
-    if ablation:
-        lines += [
-            "",
-            "## Ablation (fiberserve)",
-            "",
-            "| setting | " + " | ".join(f"C={r.spec['concurrency']}" for r in next(iter(ablation.values()))) + " |",
-            "| --- |" + " --- |" * len(next(iter(ablation.values()))),
-        ]
-        for label, rs in ablation.items():
-            lines.append(f"| {label} | " + " | ".join(f"{r.output_tokens_per_s:.1f}" for r in rs) + " |")
-    lines += ["", "![throughput and latency](bench-results/benchmarks.png)", ""]
-    notes = Path(args.notes)
-    if notes.is_file():  # the hand-written analysis: where the time goes, what misses and why
-        lines += [notes.read_text()]
-    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:

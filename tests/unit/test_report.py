@@ -1,0 +1,51 @@
+"""BENCHMARKS.md as `fiberserve bench compare` renders it: ratios and the compute-bound shares."""
+
+from __future__ import annotations
+
+from fiberserve.bench.loadgen import LoadResult
+from fiberserve.bench.peak import Peaks, TokenFlops
+from fiberserve.bench.peers import PeerServer
+from fiberserve.bench.report import render
+
+
+def result(concurrency: int, tokens_per_s: float, prompt_tokens: int = 0) -> LoadResult:
+    """A level that produced ``tokens_per_s`` output tokens/s for 10 s."""
+    output = int(tokens_per_s * 10)
+    return LoadResult(
+        spec={"concurrency": concurrency, "rate": None},
+        wall_s=10.0,
+        completed=output // 64,
+        errors=0,
+        output_tokens=output,
+        output_tokens_per_s=tokens_per_s,
+        prompt_tokens=prompt_tokens,
+        requests_per_s=output / 64 / 10,
+        ttft_p50_ms=None,
+        ttft_p99_ms=None,
+        tpot_p50_ms=None,
+        tpot_p99_ms=None,
+        e2e_p50_ms=100.0,
+        e2e_p99_ms=120.0,
+    )
+
+
+def test_report_ratios_and_compute_bound_shares(tmp_path):
+    series = {
+        "fiberserve": [result(1, 100.0, 500), result(64, 1000.0, 5000)],
+        "vLLM": [result(1, 50.0), result(64, 800.0)],
+    }
+    servers = [PeerServer("fiberserve", [], 1, version="v1"), PeerServer("vLLM", [], 2, version="v2")]
+    # 1e9 FLOP per generated token, 0.5e9 per prompt token; peaks 1e12 (bf16) and 2e12 (int8)
+    peaks, flops = Peaks(threads=2, fp32=5e11, bf16=1e12, int8=2e12), TokenFlops(decoder=0.5e9, head=0.5e9)
+    notes = tmp_path / "notes.md"
+    notes.write_text("## Analysis\n")
+    text = render(
+        "fiberserve bench compare", [1, 64], series, {}, {}, servers, ["llama-server"], peaks, flops, str(notes)
+    )
+    assert "| fiberserve | 100.0 | 1000.0 |" in text and "| ratio fiberserve / vLLM | 2.00x | 1.25x |" in text
+    assert "Servers: fiberserve (v1); vLLM (v2)." in text and "Not measured (not installed): llama-server." in text
+    assert "Decode-only bound at the measured bf16 peak: 1000 tokens/s" in text
+    # C=64: 1000 tok/s is 50% of 2000; (10000 x 1e9 + 5000 x 0.5e9) / 10 s = 1250 GOP/s: 125% / 62% of the peaks
+    assert "| fiberserve | 64 | 1000.0 | 0.50 | 50% | 1250 | 125% | 62% |" in text
+    assert "| vLLM | 64 |" not in text  # shares only for our own rows
+    assert text.endswith("## Analysis\n")
