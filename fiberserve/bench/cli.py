@@ -1,4 +1,4 @@
-"""``fiberserve bench run`` (load one server) and ``fiberserve bench compare`` (fiberserve against its peers)."""
+"""``fiberserve bench run`` (load one server), ``compare`` (fiberserve against its peers), ``peak`` (the CPU bound)."""
 
 from __future__ import annotations
 
