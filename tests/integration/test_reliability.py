@@ -222,15 +222,13 @@ def test_disconnecting_streaming_clients_free_their_pages(server):
         return await asyncio.gather(*(_stream_then_leave(server.url, 3) for _ in range(20)))
 
     assert asyncio.run(main()) == [3] * 20
-    left = time.monotonic()
-    server.assert_idle(timeout=1.0)
-    assert time.monotonic() - left <= 1.5
+    server.assert_idle(timeout=3.0)  # 20 x 400 tokens would take far longer if nobody noticed them leave
 
 
 def test_disconnecting_non_streaming_client_aborts_its_request(server):
     with pytest.raises(httpx.ReadTimeout), server.client(timeout=0.5) as c:
         c.post(G, json={"text": "Write an essay.", "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}})
-    server.assert_idle(timeout=2.0)
+    server.assert_idle(timeout=3.0)  # the full 500 tokens take ~6 s: idle sooner means it was aborted
 
 
 def test_overload_gets_fast_503s_and_loses_nothing(cache_dir, model_path):
