@@ -82,5 +82,6 @@ def linear_flops(config: ModelConfig) -> TokenFlops:
 
 
 def bound_tokens_per_s(peak: float, flops: TokenFlops) -> float:
-    """Generated tokens/s that ``peak`` operations/s allow when no prompt needs computing (decode only)."""
+    """Generated tokens/s that ``peak`` operations/s allow when no prompt needs computing (decode only);
+    0 where the peak is 0 (the CPU lacks that instruction)."""
     return peak / flops.generated

@@ -62,9 +62,14 @@ def _bound_section(series: dict[str, list[LoadResult]], peaks: Peaks, flops: Tok
             lines.append(
                 f"| {name} | {r.spec['concurrency']} | {r.output_tokens_per_s:.1f} | "
                 f"{r.prompt_tokens / max(r.output_tokens, 1):.2f} | {r.output_tokens_per_s / NOMINAL_BOUND:.0%} | "
-                f"{rate / giga:.0f} | {rate / peaks.bf16:.0%} | {rate / peaks.int8:.0%} |"
+                f"{rate / giga:.0f} | {_share(rate, peaks.bf16)} | {_share(rate, peaks.int8)} |"
             )
     return [*lines, ""]
+
+
+def _share(rate: float, peak: float) -> str:
+    """``rate`` as a percentage of ``peak``; "-" where the CPU lacks the instruction (peak 0)."""
+    return f"{rate / peak:.0%}" if peak else "-"
 
 
 def render(

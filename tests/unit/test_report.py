@@ -49,3 +49,7 @@ def test_report_ratios_and_compute_bound_shares(tmp_path):
     assert "| fiberserve | 64 | 1000.0 | 0.50 | 50% | 1250 | 125% | 62% |" in text
     assert "| vLLM | 64 |" not in text  # shares only for our own rows
     assert text.endswith("## Analysis\n")
+    # a CPU without AVX512-BF16 / VNNI measures no such peak: "-" rather than a division by zero
+    no_dot = Peaks(threads=2, fp32=5e11, bf16=0.0, int8=0.0)
+    text = render("c", [1, 64], series, {}, {}, servers, [], no_dot, flops, str(tmp_path / "absent.md"))
+    assert "| fiberserve | 64 | 1000.0 | 0.50 | 50% | 1250 | - | - |" in text
