@@ -45,9 +45,9 @@ def _bound_section(series: dict[str, list[LoadResult]], peaks: Peaks, flops: Tok
         f"{flops.decoder / giga:.3f} + output head {flops.head / giga:.3f}), per prompt token "
         f"{flops.prompt / giga:.3f} GFLOP; attention and elementwise work not counted.",
         "",
-        f"Decode-only bound at the measured bf16 peak: {bound_tokens_per_s(peaks.bf16, flops):.0f} tokens/s "
+        f"Decode-only bound at the measured bf16 peak: {_bound(peaks.bf16, flops)} "
         f"(issue 7 quotes ~{NOMINAL_BOUND:.0f}, from 550-800 GFLOP/s); at the int8 peak: "
-        f"{bound_tokens_per_s(peaks.int8, flops):.0f}.  Rows below: the output tokens/s, that as a share of "
+        f"{_bound(peaks.int8, flops)}.  Rows below: the output tokens/s, that as a share of "
         f"{NOMINAL_BOUND:.0f}, and the linear-layer rate the run sustained (generated and prompt tokens) as a "
         "share of each peak.",
         "",
@@ -65,6 +65,10 @@ def _bound_section(series: dict[str, list[LoadResult]], peaks: Peaks, flops: Tok
                 f"{rate / giga:.0f} | {_share(rate, peaks.bf16)} | {_share(rate, peaks.int8)} |"
             )
     return [*lines, ""]
+
+
+def _bound(peak: float, flops: TokenFlops) -> str:
+    return f"{bound_tokens_per_s(peak, flops):.0f} tokens/s" if peak else "none (the CPU lacks the instruction)"
 
 
 def _share(rate: float, peak: float) -> str:

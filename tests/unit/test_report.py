@@ -53,3 +53,4 @@ def test_report_ratios_and_compute_bound_shares(tmp_path):
     no_dot = Peaks(threads=2, fp32=5e11, bf16=0.0, int8=0.0)
     text = render("c", [1, 64], series, {}, {}, servers, [], no_dot, flops, str(tmp_path / "absent.md"))
     assert "| fiberserve | 64 | 1000.0 | 0.50 | 50% | 1250 | - | - |" in text
+    assert "bf16 peak: none (the CPU lacks the instruction) (issue 7" in text
