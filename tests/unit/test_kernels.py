@@ -38,9 +38,10 @@ def attention_case(dtype, head_dim=32):
     return q, k, v, tables, spans, keys
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64 and 128: the compiled-size paths (bf16: vdpbf16ps scores)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_paged_attention_matches_reference(dtype):
-    q, k, v, tables, spans, keys = attention_case(dtype)
+def test_paged_attention_matches_reference(dtype, head_dim):
+    q, k, v, tables, spans, keys = attention_case(dtype, head_dim)
     out = kernels.paged_attention(q, k, v, tables, spans, keys, PAGE, q.shape[-1] ** -0.5)
     expected = reference_attention(q, k, v, tables, spans, keys)
     tolerance = 2e-6 if dtype == torch.float32 else 2e-2

@@ -13,6 +13,13 @@
 // with a fixed order of operations (float32 dot products with 16 fixed partial sums, a two-pass
 // softmax, a float32 weighted sum in key order), so a row computes the same bits alone, inside any batch,
 // as a decode token or inside a prefill chunk of any length.
+//
+// bfloat16 with head_dim 64 or 128 on AVX512-BF16 (kPairs): the dot products run on vdpbf16ps, two exact
+// bf16 products per lane and instruction, with no widening of q or k; the values are widened two dims per
+// lane (shift and mask).  Measured, 30 layers of 9 heads x 64 dims: a 512-row prefill chunk at 2048 keys
+// 1222 -> 725 ms; 64 decode rows x 100 keys 7.3 -> 4.3 ms with the keys in cache, ~10 ms either way from
+// memory (the scattered pages' reads bound it there).  Scores differ from the float32 path in the last bits
+// (another grouping of the sums), the values' sums not at all.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,7 +32,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace fiberserve {
 namespace {
@@ -39,6 +51,33 @@ template <typename scalar_t>
 inline void prefetch(const scalar_t* first, int64_t count) {
   for (int64_t byte = 0; byte < count * static_cast<int64_t>(sizeof(scalar_t)); byte += 64)
     __builtin_prefetch(reinterpret_cast<const char*>(first) + byte, 0, 2);
+}
+
+// bfloat16 rows on CPUs with AVX512-BF16, head_dim a multiple of 32: scores by vdpbf16ps straight from the
+// bf16 query and key (16 lanes x 2 products per instruction, no widening), and values widened two halves at a
+// time (a lane holds dims 2i and 2i+1: shift for the even one, mask for the odd one).
+template <typename scalar_t, int kChunks>
+constexpr bool kPairs =
+#if defined(__AVX512BF16__)
+    std::is_same_v<scalar_t, c10::BFloat16> && kChunks > 0 && kChunks % 2 == 0;
+#else
+    false;
+#endif
+
+typedef uint32_t u32x16v __attribute__((vector_size(64)));
+
+inline void load_pair(const c10::BFloat16* p, f32x16& even, f32x16& odd) {  // dims 2i -> even[i], 2i+1 -> odd[i]
+  u32x16v bits;
+  std::memcpy(&bits, p, sizeof bits);
+  const u32x16v lo = bits << 16, hi = bits & 0xFFFF0000u;
+  std::memcpy(&even, &lo, sizeof even);
+  std::memcpy(&odd, &hi, sizeof odd);
+}
+
+// Dims 16h..16h+15 of a 32-dim chunk from its even and odd halves.
+inline f32x16 interleave(f32x16 even, f32x16 odd, int h) {
+  return h == 0 ? __builtin_shufflevector(even, odd, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23)
+                : __builtin_shufflevector(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
 }
 
 // The work of rows: for each kv head, the G query heads sharing it against the row's n keys, read in place
@@ -76,9 +115,10 @@ struct Attend {
         prefetch(k + slots[position], slot_width);
       for (int64_t head = 0; head < kv_heads; ++head) {
         const bool first_pass = head == 0;
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t c = 0; c < C; ++c)
-            query[g][c] = load16(q + row * q_row_stride + (head * G + g) * D + c * kLanes);
+        if constexpr (!kPairs<scalar_t, kChunks>)
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t c = 0; c < C; ++c)
+              query[g][c] = load16(q + row * q_row_stride + (head * G + g) * D + c * kLanes);
         scores.assign(G * padded, 0.0f);
 
         // Scores 16 keys at a time: each key's 16 partial sums are reduced together with the others' by
@@ -91,11 +131,26 @@ struct Attend {
               prefetch(v + slots[first + j], slot_width);
             }
             const scalar_t* key_row = k + slots[first + j] + head * D;
-            for (int64_t c = 0; c < C; ++c) key[c] = load16(key_row + c * kLanes);
-            for (int64_t g = 0; g < G; ++g) {
-              f32x16 sum = query[g][0] * key[0];
-              for (int64_t c = 1; c < C; ++c) sum += query[g][c] * key[c];
-              partial[g][j] = sum;
+            if constexpr (kPairs<scalar_t, kChunks>) {
+#if defined(__AVX512BF16__)
+              __m512bh key_pairs[kChunks / 2];
+              for (int c = 0; c < kChunks / 2; ++c)
+                key_pairs[c] = (__m512bh)_mm512_loadu_si512(key_row + c * 2 * kLanes);
+              for (int64_t g = 0; g < G; ++g) {
+                const scalar_t* query_row = q + row * q_row_stride + (head * G + g) * D;
+                __m512 sum = _mm512_setzero_ps();
+                for (int c = 0; c < kChunks / 2; ++c)
+                  sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(query_row + c * 2 * kLanes), key_pairs[c]);
+                partial[g][j] = (f32x16)sum;
+              }
+#endif
+            } else {
+              for (int64_t c = 0; c < C; ++c) key[c] = load16(key_row + c * kLanes);
+              for (int64_t g = 0; g < G; ++g) {
+                f32x16 sum = query[g][0] * key[0];
+                for (int64_t c = 1; c < C; ++c) sum += query[g][c] * key[c];
+                partial[g][j] = sum;
+              }
             }
           }
           for (int64_t g = 0; g < G; ++g)
@@ -117,11 +172,16 @@ struct Attend {
           total[g] = lane_sum(sum);
         }
 
+        // Each output dim sums p * value over the keys in order, in float32: the same bits on either path.
         for (int64_t g = 0; g < G; ++g)
           for (int64_t c = 0; c < C; ++c) acc[g][c] = f32x16{};
         for (int64_t position = 0; position < n; ++position) {
           const scalar_t* value_row = v + slots[position] + head * D;
-          for (int64_t c = 0; c < C; ++c) key[c] = load16(value_row + c * kLanes);
+          if constexpr (kPairs<scalar_t, kChunks>) {  // acc[g][2c] holds the even dims of chunk c, 2c + 1 the odd
+            for (int c = 0; c < kChunks / 2; ++c) load_pair(value_row + c * 2 * kLanes, key[2 * c], key[2 * c + 1]);
+          } else {
+            for (int64_t c = 0; c < C; ++c) key[c] = load16(value_row + c * kLanes);
+          }
           for (int64_t g = 0; g < G; ++g) {
             const float p = scores[g * padded + position];
             for (int64_t c = 0; c < C; ++c) acc[g][c] += p * key[c];
@@ -130,7 +190,13 @@ struct Attend {
         scalar_t* o = out + (row * heads + head * G) * D;
         for (int64_t g = 0; g < G; ++g) {
           const float inv = 1.0f / total[g];
-          for (int64_t c = 0; c < C; ++c) store16(o + g * D + c * kLanes, acc[g][c] * inv);
+          if constexpr (kPairs<scalar_t, kChunks>) {
+            for (int c = 0; c < kChunks / 2; ++c)
+              for (int h = 0; h < 2; ++h)
+                store16(o + g * D + (2 * c + h) * kLanes, interleave(acc[g][2 * c], acc[g][2 * c + 1], h) * inv);
+          } else {
+            for (int64_t c = 0; c < C; ++c) store16(o + g * D + c * kLanes, acc[g][c] * inv);
+          }
         }
       }
     }
