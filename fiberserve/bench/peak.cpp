@@ -6,6 +6,12 @@
 //   bf16  vdpbf16ps   zmm:  16 lanes x 2 multiply-adds  =  64 FLOP
 //   int8  vpdpbusd    zmm:  16 lanes x 4 multiply-adds  = 128 integer ops
 //
+// And the rate llama.cpp's block arithmetic allows (Q4_1 weights x Q8_1 activations, as quant_gemm.cpp runs it):
+//
+//   q4_1  per 32 inputs of a 16-output accumulator: 8 vpdpbusd, then the block's scaling: convert the int32
+//         sums, multiply the weight scale by the activation scale, and two multiply-adds.  Counted as the
+//         vpdpbusd's 128 ops each, so q4_1 / int8 is the share of the int8 peak the arithmetic leaves.
+//
 // Returns operations per second for all threads together, or 0 where the compiler does not target the
 // instruction.
 
@@ -38,6 +44,44 @@ double chains_per_second(Step step, Vec init, int64_t iterations) {
   return iterations * kChains / seconds;
 }
 
+#if defined(__AVX512VNNI__)
+// kChains accumulators (6 rows x 2 column blocks, like quant_gemm.cpp's tile), one block of 32 inputs per
+// iteration.  The scales are loaded from memory every block, as the kernel does, so nothing is hoisted.
+double q4_1_ops_per_second(int64_t iterations) {
+  alignas(64) float weight_scale[2][16], weight_min[2][16], row_scale[6], row_sum[6];
+  for (int c = 0; c < 2; ++c)
+    for (int l = 0; l < 16; ++l) weight_scale[c][l] = 1e-3f, weight_min[c][l] = -1e-3f;
+  for (int r = 0; r < 6; ++r) row_scale[r] = 0.5f, row_sum[r] = 0.25f;
+  __m512i w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(1);
+  __m512 acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_setzero_ps();
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t n = 0; n < iterations; ++n) {
+    asm volatile("" : "+v"(w), "+v"(x) : : "memory");  // new weights and activations, scales loaded again
+    __m512i sums[kChains];
+    for (int i = 0; i < kChains; ++i) sums[i] = _mm512_set1_epi32(i);  // distinct, or the compiler merges them
+#pragma GCC unroll 8
+    for (int step = 0; step < 8; ++step) {
+#pragma GCC unroll 12
+      for (int i = 0; i < kChains; ++i) sums[i] = _mm512_dpbusd_epi32(sums[i], w, x);
+    }
+#pragma GCC unroll 12
+    for (int i = 0; i < kChains; ++i) {
+      const int r = i / 2, c = i % 2;
+      const __m512 d = _mm512_load_ps(weight_scale[c]), m = _mm512_load_ps(weight_min[c]);
+      acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(row_sum[r]), acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i]), _mm512_mul_ps(d, _mm512_set1_ps(row_scale[r])), acc[i]);
+    }
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  float total = 0;  // keep the results alive, and in registers while the loop runs
+  for (int i = 0; i < kChains; ++i) total += _mm512_reduce_add_ps(acc[i]);
+  volatile float sink = total;
+  (void)sink;
+  return iterations * kChains * 8 * 128.0 / seconds;
+}
+#endif
+
 double instruction_rate(const std::string& kind, int64_t iterations) {
 #if defined(__AVX512F__)
   if (kind == "fp32") {
@@ -57,11 +101,12 @@ double instruction_rate(const std::string& kind, int64_t iterations) {
     return chains_per_second([&](__m512i x) { return _mm512_dpbusd_epi32(x, a, b); }, _mm512_setzero_si512(),
                              iterations) * 128;
   }
+  if (kind == "q4_1") return q4_1_ops_per_second(iterations / 8);
 #endif
   return 0.0;
 }
 
-// Operations per second of ``kind`` ("fp32", "bf16", "int8") with ``threads`` threads running at once.
+// Operations per second of ``kind`` ("fp32", "bf16", "int8", "q4_1") with ``threads`` threads running at once.
 double peak_ops_per_second(const std::string& kind, int64_t threads, int64_t iterations) {
   std::vector<double> rates(static_cast<size_t>(threads));
   std::vector<std::thread> pool;

@@ -43,11 +43,15 @@ class Peaks:
     fp32: float  # vfmadd231ps
     bf16: float  # vdpbf16ps
     int8: float  # vpdpbusd
+    #: vpdpbusd's ops/s inside llama.cpp's Q4_1 x Q8_1 block arithmetic (each block of 32 inputs scaled in
+    #: float): the most any exact Q4_1 product can reach here.
+    q4_1: float
 
     def describe(self) -> str:
+        q4_1 = f"{self.q4_1 / 1e9:.0f} GOP/s ({self.q4_1 / self.int8:.0%} of int8)" if self.int8 else "-"
         return (
             f"{self.threads} threads: bf16 {self.bf16 / 1e9:.0f} GFLOP/s (vdpbf16ps), int8 {self.int8 / 1e9:.0f} "
-            f"GOP/s (vpdpbusd), fp32 {self.fp32 / 1e9:.0f} GFLOP/s (vfmadd231ps)"
+            f"GOP/s (vpdpbusd), int8 in Q4_1 blocks {q4_1}, fp32 {self.fp32 / 1e9:.0f} GFLOP/s (vfmadd231ps)"
         )
 
 
@@ -55,7 +59,7 @@ def measure_peaks(threads: int | None = None, iterations: int = 50_000_000) -> P
     """Time each instruction kind on ``threads`` threads (default: every CPU); ~0.3 s per kind."""
     threads = threads or os.cpu_count() or 1
     ext = _extension()
-    rate = {kind: ext.peak_ops_per_second(kind, threads, iterations) for kind in ("fp32", "bf16", "int8")}
+    rate = {kind: ext.peak_ops_per_second(kind, threads, iterations) for kind in ("fp32", "bf16", "int8", "q4_1")}
     return Peaks(threads=threads, **rate)
 
 

@@ -37,7 +37,7 @@ def test_peaks_exist_exactly_where_the_cpu_has_the_instructions():
     assert isinstance(peaks, Peaks) and peaks.threads == 1
     assert (peaks.fp32 > 0) == ("avx512f" in flags)
     assert (peaks.bf16 > 0) == ("avx512_bf16" in flags)
-    assert (peaks.int8 > 0) == ("avx512_vnni" in flags)
+    assert (peaks.int8 > 0) == ("avx512_vnni" in flags) == (peaks.q4_1 > 0)
 
 
 def test_bench_peak_command_prints_the_peaks_and_bounds(model_path, cache_dir, capsys):
@@ -45,3 +45,4 @@ def test_bench_peak_command_prints_the_peaks_and_bounds(model_path, cache_dir, c
     out = capsys.readouterr().out
     assert "GFLOP per generated token 0.269, per prompt token 0.212" in out
     assert "decode-only bound at the bf16 peak" in out and "vdpbf16ps" in out
+    assert "decode-only bound at the q4_1 peak" in out and "int8 in Q4_1 blocks" in out
