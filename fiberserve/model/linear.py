@@ -103,7 +103,8 @@ class QuantLinear:
       arithmetic: each row of ``x`` is quantized per block of 32 to int8, and the integer dot products run
       on ``vpdpbusd``.  Measured on this machine for the 120 decoder products of a SmolLM2-135M step, 4 bits
       (2 threads): 3.1 / 10.0 / 29.3 ms at 1 / 16 / 64 rows, against 7.3 / 13.4 / 36.7 for bf16 :class:`Linear`
-      (the block scaling's float work caps the gain near 1.3x at many rows, VNNI alone would give 2x);
+      (the block scaling's multiply and two multiply-adds share ``vpdpbusd``'s issue slots: 72% of its rate at
+      most, measured by ``fiberserve bench peak``, so ~1.45x bf16 rather than VNNI's 2x);
     * elsewhere (4 bits only) PyTorch's weight-only int4 kernel (``_weight_int4pack_mm_for_cpu``,
       activations in their dtype): 4.4 ms at one row, but 23 ms at 16 rows and 88 ms at 64.
 

@@ -5,7 +5,9 @@
 //   d * dx * sum(q * xq) + m * sx,   sx = dx * sum(xq),
 // i.e. exactly the dot product of the dequantized weights and the quantized activations.  sum(q * xq) is integer
 // arithmetic: AVX512-VNNI vpdpbusd multiplies 4 unsigned q by 4 signed xq per lane, 64 products an instruction
-// (twice vdpbf16ps's 32).
+// (twice vdpbf16ps's 32).  The block's scaling (a multiply and two multiply-adds per 16 outputs; the convert
+// runs on other pipes) takes 3 of vpdpbusd's issue slots per 8, so 8/11 = 72% of its rate is this arithmetic's
+// ceiling (`fiberserve bench peak`, "int8 in Q4_1 blocks"); the 6 x 2 tile runs at it with its data in L1.
 //
 // Layout, per 16 output features: 8 bits as [N / 16][K / 4][16][4] bytes (one 64-byte load is a 4-input step of
 // 16 outputs); 4 bits as [N / 16][K / 32][4][16][4] bytes, the low nibble for inputs 4j..4j+3 of a block and the
