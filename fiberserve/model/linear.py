@@ -39,6 +39,9 @@ from fiberserve.model import kernels
 #: Fewest rows a product runs with (see module docstring).
 MIN_ROWS = 2
 
+#: A product's tensors as :func:`.kernels.decoder_layers` takes them: weight, scales, mins, bias.
+KernelTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
 
 def _can_prepack(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
@@ -74,6 +77,11 @@ class Linear:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
         else:
             self.weight = weight
+
+    def kernel_tensors(self) -> KernelTensors | None:
+        """(weight, scales, mins, bias) for :func:`.kernels.decoder_layers` if the product runs on the
+        extension's ``bf16_linear`` (no scales or mins), else None."""
+        return (self.weight, None, None, self.bias) if self.bf16_kernel else None
 
     def __call__(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
         """``wide=True`` asks for a float32 result where the kernel gives one unrounded (``bf16_linear``);
@@ -146,6 +154,11 @@ class QuantLinear:
             self.bias = None if bias is None else bias.to(dtype)
         else:
             raise ValueError("8-bit weights need the AVX512-VNNI kernel")
+
+    def kernel_tensors(self) -> KernelTensors | None:
+        """(weight, scales, mins, bias) for :func:`.kernels.decoder_layers` if the product runs on the
+        extension's ``quant_linear``, else None."""
+        return (self.weight, self.scales, self.mins, self.bias) if self.vnni else None
 
     def __call__(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
         """``wide=True``: a float32 result from the VNNI kernel; elsewhere the result is in ``x``'s dtype."""

@@ -289,6 +289,21 @@ class LlamaModel:
         self.fused = self.device.type == "cpu" and kernels.supports(config, dtype)
         if self.fused:
             kernels.load()
+        #: The layers' tensors for :func:`.kernels.decoder_layers` when every decoder product runs on the
+        #: extension's kernels (so the whole layer loop can run in C++), else None.
+        self.native_layers = self._native_layer_tensors() if self.fused else None
+
+    def _native_layer_tensors(self) -> tuple[list, list, list, list, list] | None:
+        norms, weights, scales, mins, biases = [], [], [], [], []
+        for layer in self.layers:
+            norms += [layer.attn_norm, layer.mlp_norm]
+            for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                tensors = linear.kernel_tensors()
+                if tensors is None:
+                    return None
+                for into, tensor in zip((weights, scales, mins, biases), tensors, strict=True):
+                    into.append(tensor)
+        return norms, weights, scales, mins, biases
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate-half RoPE in float32, result in the model dtype; x: [T, heads, D], cos/sin: [T, 1, D].
@@ -309,7 +324,14 @@ class LlamaModel:
         tokens, positions = tokens.to(self.device), positions.to(self.device)
         write_slots = batch.write_slots.to(self.device)
         h = self.embed[tokens].float()  # the residual stream stays float32 (see the module docstring)
-        if self.fused:
+        if self.native_layers:
+            plan = _KernelPlan.build(batch, cache.page_size, tokens.numel())
+            attention = (plan.pages, plan.row_span, plan.row_keys, cache.page_size, self.scale)
+            kernels.decoder_layers(
+                h, positions, self.cos, self.sin, write_slots, cache.k, cache.v, attention,
+                self.config.num_heads, self.eps, self.dtype, self.native_layers,
+            )  # fmt: skip
+        elif self.fused:
             plan = _KernelPlan.build(batch, cache.page_size, tokens.numel())
             self._layers_fused(h, positions, write_slots, cache, plan)
         else:
@@ -322,7 +344,10 @@ class LlamaModel:
         return logits
 
     def _layers_fused(self, h, positions, write_slots, cache: KVCache, plan: _KernelPlan) -> None:
-        """The decoder layers with the C++ kernels (CPU): 9 ops per layer; ``h`` is updated in place."""
+        """The decoder layers with the C++ kernels (CPU): 9 ops per layer; ``h`` is updated in place.
+
+        :func:`.kernels.decoder_layers` is this loop in C++, used when every product is one of the
+        extension's kernels; this one also takes oneDNN's (float32) products."""
         H, eps, dtype = self.config.num_heads, self.eps, self.dtype
         delta = None  # the previous layer's MLP output, added to h by the next norm
         for index, layer in enumerate(self.layers):

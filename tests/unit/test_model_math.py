@@ -230,3 +230,29 @@ def test_any_page_size_gives_the_same_logits(tiny_dirs, page):
     )
     cache = KVCache(model.config, max(pages) + 1, page, torch.float32, "cpu")
     torch.testing.assert_close(model.forward(batch, cache), logits_of(model, tokens), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("quantization, bias", [("none", False), ("int4", False), ("int4", True)])
+def test_layer_loop_in_cpp_gives_the_python_loops_bits(tmp_path, quantization, bias):
+    """``kernels.decoder_layers`` runs the same kernels in the same order as ``_layers_fused``: the same logits
+    and the same K/V, bit for bit, for prefill chunks beside decode tokens (bias: Qwen2's qkv bias)."""
+    from fiberserve.model import kernels
+    from fiberserve.model.linear import vnni_available
+
+    kernels.load()
+    if not kernels.bf16_gemm_available() or (quantization == "int4" and not vnni_available()):
+        pytest.skip("the C++ layer loop needs the AVX512-BF16 / AVX512-VNNI products")
+    arch = "Qwen2ForCausalLM" if bias else "LlamaForCausalLM"
+    path = write_hf(tmp_path / "m", TINY, random_weights(TINY, bias=bias), arch=arch)
+    model = LlamaModel(load_checkpoint(path, progress=False), torch.bfloat16, quantization=quantization)
+    assert model.native_layers is not None
+    a, b = TOKENS * 2, TOKENS[:7]
+    seqs, start = [(a, [3, 1, 4, 0, 5, 9]), (b, [2, 6])], [13, 6]
+    results = []
+    for native in (model.native_layers, None):
+        model.native_layers = native
+        cache = KVCache(model.config, 16, PAGE, torch.bfloat16, "cpu")
+        model.forward(prefill_batch([(a[:13], seqs[0][1]), (b[:6], seqs[1][1])]), cache)
+        results.append((model.forward(prefill_batch(seqs, start=start), cache), cache.k, cache.v))
+    for ours, theirs in zip(*results, strict=True):
+        assert torch.equal(ours, theirs)

@@ -2,7 +2,9 @@
 
 * :func:`paged_attention`: each row attends to its own sequence's keys, read in place through the page table;
 * :func:`add_rms_norm`, :func:`rope_store`, :func:`silu_mul`: the elementwise and row-wise work between the
-  linear layers, fused (a layer is 9 dispatches instead of ~30).
+  linear layers, fused (a layer is 9 dispatches instead of ~30);
+* :func:`decoder_layers`: the whole loop over the layers in C++ when every product runs on this extension's
+  kernels (no Python frame or dispatcher call per kernel).
 
 Every kernel computes a row from that row alone, in a fixed order (``vec16.h``), so the rows are batch
 invariant in every dtype.  The sources are plain C++ with GCC/Clang vector extensions (no intrinsics);
@@ -24,7 +26,15 @@ from fiberserve.model.config import ModelConfig
 
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("ops.cpp", "paged_attention.cpp", "fused_ops.cpp", "bf16_gemm.cpp", "quant_gemm.cpp", "top_k.cpp")
+    for name in (
+        "ops.cpp",
+        "paged_attention.cpp",
+        "fused_ops.cpp",
+        "bf16_gemm.cpp",
+        "quant_gemm.cpp",
+        "top_k.cpp",
+        "decoder.cpp",
+    )
 ]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _lock = threading.Lock()
@@ -176,3 +186,29 @@ def top_k_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     maximum).  NaN is never picked.  Much faster than ``torch.topk``/``argmax`` over a vocabulary: one pass
     per row, rows in parallel."""
     return torch.ops.fiberserve.top_k_rows(x, k)
+
+
+def decoder_layers(
+    h: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    write_slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    attention: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, float],
+    heads: int,
+    eps: float,
+    dtype: torch.dtype,
+    layers: tuple[list, list, list, list, list],
+) -> None:
+    """Every decoder layer on the float32 residual ``h`` [T, W], in place, writing K/V into ``k_cache``/``v_cache``
+    [layers, slots, KVH, D]: per layer ``add_rms_norm``, qkv, ``rope_store``, ``paged_attention``, o,
+    ``add_rms_norm``, gate/up, ``silu_mul``, down, then the last layer's MLP output is added to ``h``.
+
+    ``attention``: (pages, row_span, row_keys, page_size, scale) as for :func:`paged_attention`.  ``layers``:
+    flat lists (norms: 2 per layer; weights, scales, mins, biases: 4 per layer, in the order qkv, o, gate/up,
+    down); a product with scales runs :func:`quant_linear`, one without :func:`bf16_linear`.
+    """
+    tables = (*attention, heads, eps, dtype)  # pages, row_span, row_keys, page_size, scale, ...
+    torch.ops.fiberserve.decoder_layers(h, positions, cos, sin, write_slots, k_cache, v_cache, *tables, *layers)

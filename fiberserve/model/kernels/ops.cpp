@@ -19,6 +19,11 @@ TORCH_LIBRARY(fiberserve, m) {
   m.def("quant_gemm_available() -> bool");
   m.def("top_k_rows(Tensor x, int k) -> (Tensor, Tensor)");
   m.def("quant_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor? bias, ScalarType out_dtype) -> Tensor");
+  m.def(
+      "decoder_layers(Tensor(a!) h, Tensor positions, Tensor cos, Tensor sin, Tensor write_slots, Tensor(b!) k_cache, "
+      "Tensor(c!) v_cache, Tensor pages, Tensor row_span, Tensor row_keys, int page_size, float scale, int heads, "
+      "float eps, ScalarType dtype, Tensor[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] mins, "
+      "Tensor?[] biases) -> ()");
 }
 
 // Takes no tensor, so it is registered for every dispatch key.
@@ -36,4 +41,5 @@ TORCH_LIBRARY_IMPL(fiberserve, CPU, m) {
   m.impl("bf16_linear", &fiberserve::bf16_linear);
   m.impl("quant_linear", &fiberserve::quant_linear);
   m.impl("top_k_rows", &fiberserve::top_k_rows);
+  m.impl("decoder_layers", &fiberserve::decoder_layers);
 }

@@ -4,8 +4,11 @@
 
 #include <ATen/ATen.h>
 
+#include <ATen/core/List.h>
+
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace fiberserve {
 
@@ -33,5 +36,12 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
                      const std::optional<at::Tensor>& bias, at::ScalarType out_dtype);
 
 std::tuple<at::Tensor, at::Tensor> top_k_rows(const at::Tensor& x, int64_t k);
+
+void decoder_layers(at::Tensor& h, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                    const at::Tensor& write_slots, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& pages,
+                    const at::Tensor& row_span, const at::Tensor& row_keys, int64_t page_size, double scale,
+                    int64_t heads, double eps, at::ScalarType dtype, const std::vector<at::Tensor>& norms,
+                    const std::vector<at::Tensor>& weights, const c10::List<std::optional<at::Tensor>>& scales,
+                    const c10::List<std::optional<at::Tensor>>& mins, const c10::List<std::optional<at::Tensor>>& biases);
 
 }  // namespace fiberserve
