@@ -19,7 +19,11 @@ design goal, and it shapes the code:
   from that row alone in a fixed order, so any row gives the same bits alone,
   in any batch, as a decode token or inside a prefill chunk of any length.
   Attention reads each sequence's pages in place through its page table: no
-  gathered key copies, no padding, no masks;
+  gathered key copies, no padding, no masks.  When every linear layer is one
+  of the extension's products too, the loop over the layers runs in C++
+  (``kernels.decoder_layers``): one call per forward pass instead of 270,
+  which matters most on a fiber's thread, where each call was a GIL handoff
+  with the event loop;
 * elsewhere (CUDA) the layer is PyTorch ops and ``scaled_dot_product_attention``
   over keys gathered into a buffer padded to a multiple of :data:`KEY_BUCKET`;
   decode rows are grouped by that padded length, so a row's reductions have
