@@ -158,7 +158,7 @@ def quantized_rows(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quant_linear_is_exact_block_arithmetic_and_rows_are_exact_at_any_count(bits):
     """The result is the float64 product of the dequantized weights and the int8-quantized rows, up to
-    float32 rounding; one row tile (unpacked in registers) and several (from a buffer) agree bit for bit."""
+    float32 rounding; a row gets the same bits in one row tile, in several, and in the last, partial one."""
     torch.manual_seed(5)
     n, k = 48, 1536
     q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)

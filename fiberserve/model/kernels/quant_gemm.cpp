@@ -13,8 +13,10 @@
 // 16 outputs); 4 bits as [N / 16][K / 32][4][16][4] bytes, the low nibble for inputs 4j..4j+3 of a block and the
 // high nibble for inputs 16+4j..16+4j+3 (one load holds two steps).  d and m: float16 [N / 16][K / 32][16], as
 // llama.cpp stores them (a quarter of the bytes of 4-bit weights, where float32 would be half).
-// For more than one row tile, a worker unpacks a column group's nibbles once into a small buffer (L1/L2) and
-// runs every row tile against it; a single tile unpacks in registers.
+// Every row tile unpacks the nibbles in registers (a mask, a shift and a mask per load: integer operations that
+// run beside vpdpbusd at no cost).  Unpacking a column group once into a byte buffer for all its row tiles, as
+// this kernel did before, was slower at every row count: it adds stores and reads twice the bytes back (the four
+// decoder products at M = 16 / 64 / 512: 459-473 -> 535-539, 563-565 -> 593-594, 592 -> 598-602 GOP/s).
 //
 // Batch invariance: a row is quantized on its own, and each output is accumulated block by block in order in its
 // own lane, so a row gets the same bits alone, in any batch, at any row count.
@@ -100,17 +102,6 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, floa
   });
 }
 
-// One column block's nibbles [K / 32][4][64 bytes] -> one byte per weight, [K / 4][64 bytes] (4-input steps).
-inline void unpack(const uint8_t* packed, int64_t blocks, uint8_t* out) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  for (int64_t b = 0; b < blocks; ++b)
-    for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_loadu_si512(packed + (b * 4 + j) * 64);
-      _mm512_storeu_si512(out + (b * kSteps + j) * 64, _mm512_and_si512(v, low));
-      _mm512_storeu_si512(out + (b * kSteps + 4 + j) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
-    }
-}
-
 template <int MR, int NR>
 inline void step(const QuantizedRows& x, int64_t row0, int64_t input, const __m512i* wv, __m512i (&sums)[MR][NR]) {
   for (int r = 0; r < MR; ++r) {
@@ -121,8 +112,7 @@ inline void step(const QuantizedRows& x, int64_t row0, int64_t input, const __m5
   }
 }
 
-// MR rows x NR column blocks.  kNibbles: w is the packed weight (unpacked here, for few rows); otherwise the
-// column group's unpacked bytes.
+// MR rows x NR column blocks.  kNibbles: w holds 4-bit weights (unpacked here); otherwise one byte per weight.
 template <int MR, int NR, bool kNibbles, typename out_t>
 inline void tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, int64_t w_stride, const c10::Half* d,
                  const c10::Half* m, int64_t dm_stride, const float* bias, out_t* out, int64_t ldo) {
@@ -195,35 +185,23 @@ void column_group(const QuantizedRows& x, int64_t M, const uint8_t* w, int64_t w
 template <typename out_t>
 void product(const QuantizedRows& x, int64_t M, const uint8_t* packed, int bits, const c10::Half* d, const c10::Half* m,
              int64_t column_blocks, const float* bias, out_t* out) {
-  const int64_t K = x.K, N = column_blocks * kBlock, groups = (column_blocks + kCols - 1) / kCols;
-  const int64_t packed_stride = K * kBlock * bits / 8, unpacked_stride = K * kBlock, dm_stride = x.blocks * kBlock;
-  const bool in_place = bits == 4 && M <= kRows;  // one row tile: unpack each weight where it is used, no buffer
+  const int64_t N = column_blocks * kBlock, groups = (column_blocks + kCols - 1) / kCols;
+  const int64_t stride = x.K * kBlock * bits / 8, dm_stride = x.blocks * kBlock;  // per column block
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<uint8_t> buffer;
-    if (bits == 4 && !in_place && buffer.size() < static_cast<size_t>(kCols * unpacked_stride))
-      buffer.resize(static_cast<size_t>(kCols * unpacked_stride));
     for (int64_t g = begin; g < end; ++g) {
       const int64_t first = g * kCols, count = std::min<int64_t>(kCols, column_blocks - first);
+      const uint8_t* w = packed + first * stride;
       const c10::Half* dg = d + first * dm_stride;
       const c10::Half* mg = m + first * dm_stride;
       const float* bg = bias ? bias + first * kBlock : nullptr;
       out_t* o = out + first * kBlock;
-      if (in_place) {
-        const uint8_t* w = packed + first * packed_stride;
-        if (count == 2) column_group<2, true>(x, M, w, packed_stride, dg, mg, dm_stride, bg, o, N);
-        else column_group<1, true>(x, M, w, packed_stride, dg, mg, dm_stride, bg, o, N);
-        continue;
+      if (bits == 4) {
+        if (count == 2) column_group<2, true>(x, M, w, stride, dg, mg, dm_stride, bg, o, N);
+        else column_group<1, true>(x, M, w, stride, dg, mg, dm_stride, bg, o, N);
+      } else {
+        if (count == 2) column_group<2, false>(x, M, w, stride, dg, mg, dm_stride, bg, o, N);
+        else column_group<1, false>(x, M, w, stride, dg, mg, dm_stride, bg, o, N);
       }
-      if (bits == 8) {
-        const uint8_t* w = packed + first * packed_stride;
-        if (count == 2) column_group<2, false>(x, M, w, packed_stride, dg, mg, dm_stride, bg, o, N);
-        else column_group<1, false>(x, M, w, packed_stride, dg, mg, dm_stride, bg, o, N);
-        continue;
-      }
-      for (int64_t c = 0; c < count; ++c)
-        unpack(packed + (first + c) * packed_stride, x.blocks, buffer.data() + c * unpacked_stride);
-      if (count == 2) column_group<2, false>(x, M, buffer.data(), unpacked_stride, dg, mg, dm_stride, bg, o, N);
-      else column_group<1, false>(x, M, buffer.data(), unpacked_stride, dg, mg, dm_stride, bg, o, N);
     }
   });
 }
