@@ -124,17 +124,26 @@ def test_bf16_linear_is_built_where_the_cpu_has_avx512_bf16():
 
 @pytest.mark.skipif(not kernels.bf16_gemm_available(), reason="this CPU has no AVX512-BF16")
 def test_bf16_linear_matches_float32_and_rows_are_exact_at_any_count():
+    """144 outputs = column groups of 4, 4 and 1 blocks: with 2 threads the work splits inside a group (by
+    row tiles from 7 rows on, by blocks below), and no split may change a row's bits."""
     torch.manual_seed(4)
-    weight, bias = torch.randn(96, 576).bfloat16(), torch.randn(96)
+    weight, bias = torch.randn(144, 576).bfloat16(), torch.randn(144)
     x = torch.randn(13, 576).bfloat16()
     packed = kernels.bf16_pack(weight)
-    out = kernels.bf16_linear(x, packed, bias)
-    expected = x.float() @ weight.float().t() + bias
-    assert out.dtype == torch.bfloat16 and out.shape == (13, 96)
-    torch.testing.assert_close(out.float(), expected, atol=0.1, rtol=1e-2)
-    for rows in range(1, 13):  # tiles of 6 rows, remainders 1-5: the same bits for every row
-        assert torch.equal(kernels.bf16_linear(x[:rows], packed, bias), out[:rows])
-    assert torch.equal(kernels.bf16_linear(x[7:8], packed, bias)[0], out[7])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = kernels.bf16_linear(x, packed, bias)
+        expected = x.float() @ weight.float().t() + bias
+        assert out.dtype == torch.bfloat16 and out.shape == (13, 144)
+        torch.testing.assert_close(out.float(), expected, atol=0.1, rtol=1e-2)
+        for rows in range(1, 13):  # tiles of 6 rows, remainders 1-5: the same bits for every row
+            assert torch.equal(kernels.bf16_linear(x[:rows], packed, bias), out[:rows])
+        assert torch.equal(kernels.bf16_linear(x[7:8], packed, bias)[0], out[7])
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.bf16_linear(x, packed, bias), out)
+    finally:
+        torch.set_num_threads(threads)
     wide = kernels.bf16_linear(x, packed, bias, torch.float32)  # the same sums, not rounded to bf16
     assert wide.dtype == torch.float32 and torch.equal(wide.bfloat16(), out)
     assert (wide != out.float()).any()
