@@ -16,6 +16,7 @@
 #include <cstring>
 
 #include "ops.h"
+#include "prefetch.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -63,9 +64,12 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pair
 // All rows against NR blocks: full tiles of kRows rows, then one tile of the remaining rows.
 template <int NR, typename out_t>
 void column_group(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t pairs,
-                  int64_t block_stride, const float* bias, out_t* out, int64_t ldo) {
+                  int64_t block_stride, const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch) {
   int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows) tile<kRows, NR, out_t>(x + r * ldx, ldx, w, pairs, block_stride, bias, out + r * ldo, ldo);
+  for (; r + kRows <= rows; r += kRows) {
+    tile<kRows, NR, out_t>(x + r * ldx, ldx, w, pairs, block_stride, bias, out + r * ldo, ldo);
+    prefetch.step();
+  }
   const uint16_t* xr = x + r * ldx;
   out_t* o = out + r * ldo;
   switch (rows - r) {
@@ -81,17 +85,17 @@ void column_group(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* 
 // Rows [0, rows) against `count` blocks: column groups of up to kCols blocks.
 template <typename out_t>
 void blocks_of(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t K, int64_t count,
-               const float* bias, out_t* out, int64_t ldo) {
+               const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch) {
   const int64_t block_stride = K * kBlock;
   for (int64_t first = 0; first < count; first += kCols) {
     const uint16_t* wg = w + first * block_stride;
     const float* bg = bias ? bias + first * kBlock : nullptr;
     out_t* o = out + first * kBlock;
     switch (std::min<int64_t>(kCols, count - first)) {
-      case 4: column_group<4>(x, rows, ldx, wg, K / 2, block_stride, bg, o, ldo); break;
-      case 3: column_group<3>(x, rows, ldx, wg, K / 2, block_stride, bg, o, ldo); break;
-      case 2: column_group<2>(x, rows, ldx, wg, K / 2, block_stride, bg, o, ldo); break;
-      default: column_group<1>(x, rows, ldx, wg, K / 2, block_stride, bg, o, ldo); break;
+      case 4: column_group<4>(x, rows, ldx, wg, K / 2, block_stride, bg, o, ldo, prefetch); break;
+      case 3: column_group<3>(x, rows, ldx, wg, K / 2, block_stride, bg, o, ldo, prefetch); break;
+      case 2: column_group<2>(x, rows, ldx, wg, K / 2, block_stride, bg, o, ldo, prefetch); break;
+      default: column_group<1>(x, rows, ldx, wg, K / 2, block_stride, bg, o, ldo, prefetch); break;
     }
   }
 }
@@ -104,23 +108,25 @@ void blocks_of(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* w, 
 // on its tile, so the split changes no bits.
 template <typename out_t>
 void product(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t blocks, const float* bp,
-             out_t* op) {
+             out_t* op, const PrefetchPlan* plan) {
   const int64_t N = blocks * kBlock, block_stride = K * kBlock;
   const int64_t row_tiles = (M + kRows - 1) / kRows, groups = (blocks + kCols - 1) / kCols;
   if (row_tiles == 1) {
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      PrefetchCursor none(nullptr, 0);  // one row tile: a decode step of a few sequences, whose keys are few
       blocks_of(xp, M, K, wp + begin * block_stride, K, end - begin, bp ? bp + begin * kBlock : nullptr,
-                op + begin * kBlock, N);
+                op + begin * kBlock, N, none);
     });
     return;
   }
   at::parallel_for(0, groups * row_tiles, 1, [&](int64_t begin, int64_t end) {
+    PrefetchCursor prefetch(plan, end - begin);
     for (int64_t unit = begin; unit < end;) {
       const int64_t g = unit / row_tiles, tile0 = unit % row_tiles;
       const int64_t tile1 = std::min(row_tiles, tile0 + (end - unit));
       const int64_t r0 = tile0 * kRows, r1 = std::min(M, tile1 * kRows), first = g * kCols;
       blocks_of(xp + r0 * K, r1 - r0, K, wp + first * block_stride, K, std::min<int64_t>(kCols, blocks - first),
-                bp ? bp + first * kBlock : nullptr, op + r0 * N + first * kBlock, N);
+                bp ? bp + first * kBlock : nullptr, op + r0 * N + first * kBlock, N, prefetch);
       unit += tile1 - tile0;
     }
   });
@@ -139,6 +145,11 @@ at::Tensor bf16_pack(const at::Tensor& weight) {
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                        at::ScalarType out_dtype) {
+  return bf16_linear_prefetching(x, packed, bias, out_dtype, nullptr);
+}
+
+at::Tensor bf16_linear_prefetching(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                                   at::ScalarType out_dtype, const PrefetchPlan* plan) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16_linear: x must be bf16 [M, K]");
   TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x.size(1), "bf16_linear: weight not packed for this K");
   TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat, "bf16_linear: output is bfloat16 or float32");
@@ -150,9 +161,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std:
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
   if (out_dtype == at::kFloat) {
-    product(xp, M, K, wp, blocks, bp, out.data_ptr<float>());
+    product(xp, M, K, wp, blocks, bp, out.data_ptr<float>(), plan);
   } else {
-    product(xp, M, K, wp, blocks, bp, out.data_ptr<c10::BFloat16>());
+    product(xp, M, K, wp, blocks, bp, out.data_ptr<c10::BFloat16>(), plan);
   }
   return out;
 }
@@ -164,6 +175,11 @@ bool bf16_gemm_available() { return false; }
 at::Tensor bf16_pack(const at::Tensor&) { TORCH_CHECK(false, "bf16_pack: built without AVX512-BF16"); }
 
 at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, at::ScalarType) {
+  TORCH_CHECK(false, "bf16_linear: built without AVX512-BF16");
+}
+
+at::Tensor bf16_linear_prefetching(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                   at::ScalarType, const PrefetchPlan*) {
   TORCH_CHECK(false, "bf16_linear: built without AVX512-BF16");
 }
 

@@ -8,7 +8,10 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+
 #include "ops.h"
+#include "prefetch.h"
 
 namespace fiberserve {
 namespace {
@@ -20,12 +23,35 @@ struct Linears {
   const c10::List<std::optional<at::Tensor>>& mins;
   const c10::List<std::optional<at::Tensor>>& biases;
 
-  at::Tensor operator()(const at::Tensor& x, size_t index, at::ScalarType out_dtype) const {
+  at::Tensor operator()(const at::Tensor& x, size_t index, at::ScalarType out_dtype,
+                        const PrefetchPlan* prefetch = nullptr) const {
     const std::optional<at::Tensor> scale = scales.get(index), bias = biases.get(index);
-    if (scale) return quant_linear(x, weights[index], *scale, *mins.get(index), bias, out_dtype);
-    return bf16_linear(x, weights[index], bias, out_dtype);
+    if (scale) return quant_linear_prefetching(x, weights[index], *scale, *mins.get(index), bias, out_dtype, prefetch);
+    return bf16_linear_prefetching(x, weights[index], bias, out_dtype, prefetch);
   }
 };
+
+// The pages of one layer's keys and values that the rows will read: each span's pages once, in row order.
+void plan_kv_reads(const at::Tensor& k, const at::Tensor& v, const at::Tensor& pages, const at::Tensor& row_span,
+                   const at::Tensor& row_keys, int64_t page_size, PrefetchPlan& plan) {
+  plan.ranges.clear();
+  const int64_t rows = row_span.size(0), max_pages = pages.size(1);
+  const int64_t slot_bytes = k.stride(0) * k.element_size();
+  const int32_t *span_of = row_span.data_ptr<int32_t>(), *keys_of = row_keys.data_ptr<int32_t>();
+  const int32_t* table = pages.data_ptr<int32_t>();
+  const char *k0 = static_cast<const char*>(k.data_ptr()), *v0 = static_cast<const char*>(v.data_ptr());
+  for (int64_t row = 0; row < rows; ++row) {
+    const int32_t span = span_of[row];
+    if (span < 0 || (row + 1 < rows && span_of[row + 1] == span)) continue;  // a span's last row sees all its keys
+    const int64_t keys = keys_of[row];
+    for (int64_t first = 0, page = 0; first < keys; first += page_size, ++page) {
+      const int64_t slot = static_cast<int64_t>(table[span * max_pages + page]) * page_size;
+      const int64_t bytes = std::min(page_size, keys - first) * slot_bytes;
+      plan.ranges.emplace_back(k0 + slot * slot_bytes, bytes);
+      plan.ranges.emplace_back(v0 + slot * slot_bytes, bytes);
+    }
+  }
+}
 
 }  // namespace
 
@@ -44,13 +70,19 @@ void decoder_layers(at::Tensor& h, const at::Tensor& positions, const at::Tensor
               "decoder_layers: the cache must be [layers, slots, kv_heads, head_dim]");
   const Linears linear{weights, scales, mins, biases};
   std::optional<at::Tensor> delta;  // the previous layer's MLP output, added to h by the next norm
+  PrefetchPlan next_kv;  // the next layer's keys and values, pulled into cache during this layer's gate/up product
   for (size_t i = 0; i < layers; ++i) {
     at::Tensor k = k_cache.select(0, static_cast<int64_t>(i)), v = v_cache.select(0, static_cast<int64_t>(i));
     at::Tensor x = add_rms_norm(h, delta, norms[2 * i], eps, dtype);
     const at::Tensor q = rope_store(linear(x, 4 * i, dtype), positions, cos, sin, write_slots, k, v, heads);
     const at::Tensor attention = paged_attention(q, k, v, pages, row_span, row_keys, page_size, scale);
     x = add_rms_norm(h, linear(attention, 4 * i + 1, at::kFloat), norms[2 * i + 1], eps, dtype);
-    delta = linear(silu_mul(linear(x, 4 * i + 2, dtype)), 4 * i + 3, at::kFloat);
+    if (i + 1 < layers)
+      plan_kv_reads(k_cache.select(0, static_cast<int64_t>(i + 1)), v_cache.select(0, static_cast<int64_t>(i + 1)),
+                    pages, row_span, row_keys, page_size, next_kv);
+    else
+      next_kv.ranges.clear();
+    delta = linear(silu_mul(linear(x, 4 * i + 2, dtype, &next_kv)), 4 * i + 3, at::kFloat);
   }
   if (delta) h.add_(*delta);
 }

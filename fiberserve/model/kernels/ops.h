@@ -35,6 +35,17 @@ bool quant_gemm_available();
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
                      const std::optional<at::Tensor>& bias, at::ScalarType out_dtype);
 
+struct PrefetchPlan;
+
+// bf16_linear that also pulls `plan`'s memory into cache while its tiles run (see prefetch.h); plan may be null.
+at::Tensor bf16_linear_prefetching(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                                   at::ScalarType out_dtype, const PrefetchPlan* plan);
+
+// quant_linear that also pulls `plan`'s memory into cache while its tiles run (see prefetch.h); plan may be null.
+at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                                   const at::Tensor& mins, const std::optional<at::Tensor>& bias,
+                                   at::ScalarType out_dtype, const PrefetchPlan* plan);
+
 std::tuple<at::Tensor, at::Tensor> top_k_rows(const at::Tensor& x, int64_t k);
 
 void decoder_layers(at::Tensor& h, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "prefetch.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -167,10 +168,13 @@ inline void tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, int64_t
 // All rows against NR column blocks: full tiles of kRows rows, then one tile of the remaining rows.
 template <int NR, bool kNibbles, typename out_t>
 void column_group(const QuantizedRows& x, int64_t M, const uint8_t* w, int64_t w_stride, const c10::Half* d,
-                  const c10::Half* m, int64_t dm_stride, const float* bias, out_t* out, int64_t ldo) {
+                  const c10::Half* m, int64_t dm_stride, const float* bias, out_t* out, int64_t ldo,
+                  PrefetchCursor& prefetch) {
   int64_t r = 0;
-  for (; r + kRows <= M; r += kRows)
+  for (; r + kRows <= M; r += kRows) {
     tile<kRows, NR, kNibbles, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, out + r * ldo, ldo);
+    prefetch.step();
+  }
   out_t* o = out + r * ldo;
   switch (M - r) {
     case 5: tile<5, NR, kNibbles, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, o, ldo); break;
@@ -184,10 +188,11 @@ void column_group(const QuantizedRows& x, int64_t M, const uint8_t* w, int64_t w
 
 template <typename out_t>
 void product(const QuantizedRows& x, int64_t M, const uint8_t* packed, int bits, const c10::Half* d, const c10::Half* m,
-             int64_t column_blocks, const float* bias, out_t* out) {
+             int64_t column_blocks, const float* bias, out_t* out, const PrefetchPlan* plan) {
   const int64_t N = column_blocks * kBlock, groups = (column_blocks + kCols - 1) / kCols;
   const int64_t stride = x.K * kBlock * bits / 8, dm_stride = x.blocks * kBlock;  // per column block
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    PrefetchCursor prefetch(plan, (end - begin) * (M / kRows));
     for (int64_t g = begin; g < end; ++g) {
       const int64_t first = g * kCols, count = std::min<int64_t>(kCols, column_blocks - first);
       const uint8_t* w = packed + first * stride;
@@ -196,11 +201,11 @@ void product(const QuantizedRows& x, int64_t M, const uint8_t* packed, int bits,
       const float* bg = bias ? bias + first * kBlock : nullptr;
       out_t* o = out + first * kBlock;
       if (bits == 4) {
-        if (count == 2) column_group<2, true>(x, M, w, stride, dg, mg, dm_stride, bg, o, N);
-        else column_group<1, true>(x, M, w, stride, dg, mg, dm_stride, bg, o, N);
+        if (count == 2) column_group<2, true>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch);
+        else column_group<1, true>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch);
       } else {
-        if (count == 2) column_group<2, false>(x, M, w, stride, dg, mg, dm_stride, bg, o, N);
-        else column_group<1, false>(x, M, w, stride, dg, mg, dm_stride, bg, o, N);
+        if (count == 2) column_group<2, false>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch);
+        else column_group<1, false>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch);
       }
     }
   });
@@ -212,6 +217,12 @@ bool quant_gemm_available() { return true; }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
                      const std::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
+  return quant_linear_prefetching(x, packed, scales, mins, bias, out_dtype, nullptr);
+}
+
+at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                                   const at::Tensor& mins, const std::optional<at::Tensor>& bias,
+                                   at::ScalarType out_dtype, const PrefetchPlan* plan) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "quant_linear: x must be bf16 or float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), blocks = K / kGroup;
@@ -243,10 +254,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   if (out_dtype == at::kFloat) {
-    product(rows, M, wp, bits, d.data_ptr<c10::Half>(), m.data_ptr<c10::Half>(), column_blocks, bp, out.data_ptr<float>());
+    product(rows, M, wp, bits, d.data_ptr<c10::Half>(), m.data_ptr<c10::Half>(), column_blocks, bp, out.data_ptr<float>(), plan);
   } else {
     product(rows, M, wp, bits, d.data_ptr<c10::Half>(), m.data_ptr<c10::Half>(), column_blocks, bp,
-            out.data_ptr<c10::BFloat16>());
+            out.data_ptr<c10::BFloat16>(), plan);
   }
   return out;
 }
@@ -257,6 +268,11 @@ bool quant_gemm_available() { return false; }
 
 at::Tensor quant_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                      const std::optional<at::Tensor>&, at::ScalarType) {
+  TORCH_CHECK(false, "quant_linear: built without AVX512-VNNI");
+}
+
+at::Tensor quant_linear_prefetching(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const std::optional<at::Tensor>&, at::ScalarType, const PrefetchPlan*) {
   TORCH_CHECK(false, "quant_linear: built without AVX512-VNNI");
 }
 

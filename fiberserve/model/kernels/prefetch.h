@@ -1,0 +1,51 @@
+// Memory a compute-bound kernel pulls into cache as it runs, for the kernel after it: the decoder loop hands the
+// next layer's keys and values to the gate/up product, whose tiles keep the cores busy with arithmetic while the
+// lines arrive.  Paged attention alone reads them at the speed of memory with little arithmetic to hide it behind
+// (measured, 64 decode rows x 100 keys x 30 layers: ~4.6 ms with the K/V in cache, ~10 ms from memory).
+
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace fiberserve {
+
+// Byte ranges, in the order their user will read them.
+struct PrefetchPlan {
+  std::vector<std::pair<const char*, int64_t>> ranges;
+};
+
+// One thread's share of a plan (ranges split evenly by index between the threads of the parallel region),
+// issued a few cache lines at a time: call step() once per tile, `tiles` times in all.
+class PrefetchCursor {
+ public:
+  PrefetchCursor(const PrefetchPlan* plan, int64_t tiles) {
+    if (plan == nullptr || plan->ranges.empty() || tiles <= 0) return;
+    const int64_t count = static_cast<int64_t>(plan->ranges.size()), threads = at::get_num_threads(),
+                  thread = at::get_thread_num();
+    range_ = plan->ranges.data() + count * thread / threads;
+    end_ = plan->ranges.data() + count * (thread + 1) / threads;
+    int64_t lines = 0;
+    for (auto* r = range_; r < end_; ++r) lines += (r->second + 63) / 64;
+    per_step_ = (lines + tiles - 1) / tiles;
+  }
+
+  void step() {
+    for (int64_t n = 0; n < per_step_ && range_ < end_; ++n) {
+      __builtin_prefetch(range_->first + offset_, 0, 2);
+      offset_ += 64;
+      if (offset_ >= range_->second) ++range_, offset_ = 0;
+    }
+  }
+
+ private:
+  const std::pair<const char*, int64_t>* range_ = nullptr;
+  const std::pair<const char*, int64_t>* end_ = nullptr;
+  int64_t offset_ = 0, per_step_ = 0;
+};
+
+}  // namespace fiberserve
