@@ -83,11 +83,14 @@ class Linear:
         extension's ``bf16_linear`` (no scales or mins), else None."""
         return (self.weight, None, None, self.bias) if self.bf16_kernel else None
 
-    def __call__(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, wide: bool = False, gated: bool = False) -> torch.Tensor:
         """``wide=True`` asks for a float32 result where the kernel gives one unrounded (``bf16_linear``);
-        elsewhere the result is in ``x``'s dtype either way."""
+        elsewhere the result is in ``x``'s dtype either way.  ``gated=True`` (``bf16_linear`` only): see
+        :class:`GateUp`."""
         if self.bf16_kernel:
-            return kernels.bf16_linear(x, self.weight, self.bias, torch.float32 if wide else x.dtype)
+            return kernels.bf16_linear(x, self.weight, self.bias, torch.float32 if wide else x.dtype, gated)
+        if gated:
+            raise ValueError("gated products run on the bf16_linear kernel only")
         rows = x.shape[0]
         if rows < MIN_ROWS:
             return self(torch.cat([x, x.new_zeros(MIN_ROWS - rows, x.shape[1])]))[:rows]
@@ -160,11 +163,14 @@ class QuantLinear:
         extension's ``quant_linear``, else None."""
         return (self.weight, self.scales, self.mins, self.bias) if self.vnni else None
 
-    def __call__(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
-        """``wide=True``: a float32 result from the VNNI kernel; elsewhere the result is in ``x``'s dtype."""
+    def __call__(self, x: torch.Tensor, wide: bool = False, gated: bool = False) -> torch.Tensor:
+        """``wide=True``: a float32 result from the VNNI kernel; elsewhere the result is in ``x``'s dtype.
+        ``gated=True`` (VNNI kernel only): see :class:`GateUp`."""
         if self.vnni:
             out_dtype = torch.float32 if wide else x.dtype
-            return kernels.quant_linear(x, self.weight, self.scales, self.mins, self.bias, out_dtype)
+            return kernels.quant_linear(x, self.weight, self.scales, self.mins, self.bias, out_dtype, gated)
+        if gated:
+            raise ValueError("gated products run on the quant_linear kernel only")
         rows = x.shape[0]
         if rows < MIN_ROWS:
             return self(torch.cat([x, x.new_zeros(MIN_ROWS - rows, x.shape[1])]))[:rows]
@@ -176,6 +182,52 @@ def vnni_available() -> bool:
     """Whether :func:`.kernels.quant_linear` is built here (the CPU has AVX512-VNNI)."""
     kernels.load()
     return kernels.quant_gemm_available()
+
+
+class GateUp:
+    """The first half of a SwiGLU MLP: ``silu(x @ gate.T) * (x @ up.T)`` [rows, F].
+
+    On the extension's products (``bf16_linear``, ``quant_linear``) this is one product whose weight rows
+    interleave gate and up features in chunks of half the kernel's column group
+    (:func:`.kernels.interleave_gate_up`), so that every tile holds a gate block and its up block and computes
+    SiLU x up in its epilogue: the same bits as the product of ``[gate; up]`` followed by
+    :func:`.kernels.silu_mul`, without writing the [rows, 2F] product to memory, reading it back and one more
+    kernel per layer.  Elsewhere: one product of ``[gate; up]``, then ``silu_mul`` where the model runs the
+    extension's kernels (``silu_kernel``), else ``F.silu(gate) * up``.
+    """
+
+    def __init__(
+        self, gate: torch.Tensor, up: torch.Tensor, quantization: str, dtype: torch.dtype, silu_kernel: bool
+    ) -> None:
+        self.silu_kernel = silu_kernel
+        chunk = _gate_chunk(gate, quantization, dtype) if silu_kernel else None
+        self.gated = chunk is not None
+        weight = kernels.interleave_gate_up(gate, up, chunk) if self.gated else torch.cat([gate, up])
+        self.product = make_linear(weight, None, quantization, dtype)
+        self.min_rows = self.product.min_rows
+
+    def kernel_tensors(self) -> KernelTensors | None:
+        """The gated product's tensors for :func:`.kernels.decoder_layers`, else None."""
+        return self.product.kernel_tensors() if self.gated else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.product(x, gated=True)
+        if self.silu_kernel:
+            return kernels.silu_mul(self.product(x))
+        gate, up = self.product(x).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _gate_chunk(gate: torch.Tensor, quantization: str, dtype: torch.dtype) -> int | None:
+    """The interleaving chunk of a gated product for these weights, or None where no kernel runs one."""
+    if gate.device.type != "cpu":
+        return None
+    if quantization == "int4":
+        chunk, runs = kernels.QUANT_GATE_CHUNK, vnni_available()
+    else:
+        chunk, runs = kernels.BF16_GATE_CHUNK, _can_use_bf16_kernel(gate.to(dtype))
+    return chunk if runs and gate.shape[0] % chunk == 0 else None
 
 
 def make_linear(

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from fiberserve.model import kernels
 from fiberserve.model.config import ModelConfig
-from fiberserve.model.linear import Linear, QuantLinear, make_linear, vnni_available
+from fiberserve.model.linear import GateUp, Linear, QuantLinear, make_linear, vnni_available
 from fiberserve.model.loader import Checkpoint
 
 #: Key buffers are padded to a multiple of this many positions (see module docstring).
@@ -231,8 +231,9 @@ def _rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None) -> to
 
 class _Layer:
     def __init__(
-        self, w: dict[str, torch.Tensor], i: int, config: ModelConfig, dtype, device, quantization: str
+        self, w: dict[str, torch.Tensor], i: int, config: ModelConfig, dtype, device, quantization: str, fused: bool
     ) -> None:
+        """``fused``: the model runs the extension's kernels (:attr:`LlamaModel.fused`)."""
         p = f"model.layers.{i}."
 
         # Checkpoint precision here: make_linear rounds to dtype, or quantizes from these values.
@@ -249,7 +250,8 @@ class _Layer:
             qkv_bias = torch.cat([get(f"self_attn.{x}_proj.bias") for x in "qkv"])
         self.qkv = linear(torch.cat([get(f"self_attn.{x}_proj.weight") for x in "qkv"]), qkv_bias)
         self.o = linear(get("self_attn.o_proj.weight"))
-        self.gate_up = linear(torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]))
+        gate, up = get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")
+        self.gate_up = GateUp(gate, up, quantization, dtype, silu_kernel=fused)
         self.down = linear(get("mlp.down_proj.weight"))
 
 
@@ -279,7 +281,12 @@ class LlamaModel:
         self.logits = make_linear(head.to(self.device), None, quantization, dtype, head_bits)
         self.norm = w["model.norm.weight"].to(device=self.device, dtype=torch.float32)
         self.quantization = quantization
-        self.layers = [_Layer(w, i, config, dtype, self.device, quantization) for i in range(config.num_layers)]
+        self.fused = self.device.type == "cpu" and kernels.supports(config, dtype)
+        if self.fused:
+            kernels.load()
+        self.layers = [
+            _Layer(w, i, config, dtype, self.device, quantization, self.fused) for i in range(config.num_layers)
+        ]
         linears = [self.logits] + [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self.min_rows = max(x.min_rows for x in linears)
         inv_freq = _rope_inv_freq(config, checkpoint.rope_freq_factors).to(self.device)
@@ -290,9 +297,6 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.min_query_rows = MIN_QUERY_ROWS.get(dtype, 1)
         self.eps = config.rms_norm_eps
-        self.fused = self.device.type == "cpu" and kernels.supports(config, dtype)
-        if self.fused:
-            kernels.load()
         #: The layers' tensors for :func:`.kernels.decoder_layers` when every decoder product runs on the
         #: extension's kernels (so the whole layer loop can run in C++), else None.
         self.native_layers = self._native_layer_tensors() if self.fused else None
@@ -348,7 +352,7 @@ class LlamaModel:
         return logits
 
     def _layers_fused(self, h, positions, write_slots, cache: KVCache, plan: _KernelPlan) -> None:
-        """The decoder layers with the C++ kernels (CPU): 9 ops per layer; ``h`` is updated in place.
+        """The decoder layers with the C++ kernels (CPU): 8 ops per layer; ``h`` is updated in place.
 
         :func:`.kernels.decoder_layers` is this loop in C++, used when every product is one of the
         extension's kernels; this one also takes oneDNN's (float32) products."""
@@ -362,7 +366,7 @@ class LlamaModel:
                 q, k_cache, v_cache, plan.pages, plan.row_span, plan.row_keys, cache.page_size, self.scale
             )
             x = kernels.add_rms_norm(h, layer.o(attention, wide=True), layer.mlp_norm, eps, dtype)
-            delta = layer.down(kernels.silu_mul(layer.gate_up(x)), wide=True)  # added to h unrounded
+            delta = layer.down(layer.gate_up(x), wide=True)  # added to h unrounded
         h.add_(delta)
 
     def _layers_generic(self, h, positions, write_slots, cache: KVCache, plan: _AttentionPlan) -> torch.Tensor:
@@ -380,8 +384,7 @@ class LlamaModel:
             v_cache.index_copy_(0, write_slots, qkv[:new, (H + KVH) * D :].view(new, KVH, D))
             h = h + layer.o(self._attention(qk[:, :H], k_cache, v_cache, cache.page_size, plan))
             x = F.rms_norm(h, (cfg.hidden_size,), layer.mlp_norm, self.eps).to(dtype)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            h = h + layer.down(layer.gate_up(x))
         return h
 
     def _refine_top(self, logits: torch.Tensor, h: torch.Tensor) -> None:

@@ -191,6 +191,59 @@ def test_quant_linear_is_exact_block_arithmetic_and_rows_are_exact_at_any_count(
     )  # bf16 rows are exact in float32
 
 
+def gated_and_plain(kernel: str, gate: torch.Tensor, up: torch.Tensor, bias: torch.Tensor):
+    """(gated product, plain product of [gate; up]) as callables of (x, out_dtype), for one kernel."""
+    if kernel == "bf16":
+        chunk = kernels.BF16_GATE_CHUNK
+        interleaved = kernels.bf16_pack(kernels.interleave_gate_up(gate, up, chunk).bfloat16())
+        plain = kernels.bf16_pack(torch.cat([gate, up]).bfloat16())
+
+        def run(weight, x, out_dtype, bias, gated):
+            return kernels.bf16_linear(x, weight, bias, out_dtype, gated)
+    else:
+        chunk = kernels.QUANT_GATE_CHUNK
+
+        def pack(weight):  # 4-bit blocks of the weights (QuantLinear's own quantization)
+            from fiberserve.model.linear import QuantLinear
+
+            linear = QuantLinear(weight, None, torch.bfloat16, 4)
+            return linear.weight, linear.scales, linear.mins
+
+        interleaved, plain = pack(kernels.interleave_gate_up(gate, up, chunk)), pack(torch.cat([gate, up]))
+
+        def run(weight, x, out_dtype, bias, gated):
+            return kernels.quant_linear(x, *weight, bias, out_dtype, gated)
+
+    gated_bias = kernels.interleave_gate_up(*bias.chunk(2), chunk)
+    return (
+        lambda x, out_dtype: run(interleaved, x, out_dtype, gated_bias, True),
+        lambda x, out_dtype: run(plain, x, out_dtype, bias, False),
+    )
+
+
+@pytest.mark.parametrize("kernel", ["bf16", "int4"])
+def test_a_gated_product_is_silu_mul_of_the_product_bit_for_bit(kernel):
+    """SiLU x up in the product's epilogue (GateUp) gives the bits of the product rounded to its dtype and
+    silu_mul after it, at every row count (1 to 13 and 40 rows: one row tile, several, split between threads)."""
+    if not (kernels.bf16_gemm_available() if kernel == "bf16" else kernels.quant_gemm_available()):
+        pytest.skip(f"this CPU has no {kernel} kernel")
+    torch.manual_seed(8)
+    features, k = 96, 576
+    gate, up = torch.randn(features, k) * 0.2, torch.randn(features, k) * 0.2
+    gated, plain = gated_and_plain(kernel, gate, up, torch.randn(2 * features))
+    x = torch.randn(40, k).bfloat16()
+    inputs = [x] if kernel == "bf16" else [x, x.float()]  # quant_linear also takes float32 rows
+    for rows in [*range(1, 14), 40]:
+        for xs in inputs:
+            out_dtype = xs.dtype
+            expected = kernels.silu_mul(plain(xs[:rows], out_dtype))
+            got = gated(xs[:rows], out_dtype)
+            assert got.shape == (rows, features) and got.dtype == out_dtype
+            assert torch.equal(got, expected), (rows, out_dtype)
+    g, u = plain(x, torch.float32).chunk(2, -1)
+    torch.testing.assert_close(gated(x, torch.bfloat16).float(), F.silu(g) * u, atol=0.05, rtol=0.02)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_top_k_rows_matches_topk_and_argmax(dtype):
     torch.manual_seed(6)

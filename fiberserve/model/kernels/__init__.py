@@ -122,6 +122,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.fiberserve.silu_mul(gate_up)
 
 
+#: Gate (then up) features per chunk of a gated product's weight rows: half a column group of each kernel.
+BF16_GATE_CHUNK = 32
+QUANT_GATE_CHUNK = 16
+
+
+def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The rows of ``gate`` and ``up`` [F, ...] (F % chunk == 0) as a gated product's weight [2F, ...]: ``chunk``
+    gate rows, the ``chunk`` up rows of the same features, the next ``chunk`` gate rows, and so on."""
+    features = gate.shape[0]
+    pairs = torch.stack([gate.reshape(features // chunk, chunk, -1), up.reshape(features // chunk, chunk, -1)], 1)
+    return pairs.reshape(2 * features, *gate.shape[1:])
+
+
 def bf16_gemm_available() -> bool:
     """Whether :func:`bf16_linear` was built (the compiler targets AVX512-BF16, i.e. this CPU has it)."""
     return bool(torch.ops.fiberserve.bf16_gemm_available())
@@ -133,11 +146,19 @@ def bf16_pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def bf16_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    gated: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for bf16 ``x`` [M, K], float32 accumulation, the result in ``out_dtype``
-    (bfloat16 or float32); rows batch invariant at any M."""
-    return torch.ops.fiberserve.bf16_linear(x, packed, bias, out_dtype)
+    (bfloat16 or float32); rows batch invariant at any M.
+
+    ``gated=True``: the weight's rows interleave gate and up features in chunks of :data:`BF16_GATE_CHUNK`
+    (see :func:`interleave_gate_up`) and the result is ``silu(gate) * up`` [M, N / 2], the same bits as
+    :func:`silu_mul` of the product rounded to ``out_dtype``."""
+    return torch.ops.fiberserve.bf16_linear(x, packed, bias, out_dtype, gated)
 
 
 def quant_gemm_available() -> bool:
@@ -173,11 +194,16 @@ def quant_linear(
     mins: torch.Tensor,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    gated: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for block-quantized weights (from :func:`quant_pack`) and ``x`` [M, K] (bf16
     or float32) quantized per row and block of 32 to int8 (llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0
-    arithmetic); the result in ``out_dtype`` (bfloat16 or float32); rows batch invariant at any M."""
-    return torch.ops.fiberserve.quant_linear(x, packed, scales, mins, bias, out_dtype)
+    arithmetic); the result in ``out_dtype`` (bfloat16 or float32); rows batch invariant at any M.
+
+    ``gated=True``: the weight's rows interleave gate and up features in chunks of :data:`QUANT_GATE_CHUNK`
+    (see :func:`interleave_gate_up`) and the result is ``silu(gate) * up`` [M, N / 2], the same bits as
+    :func:`silu_mul` of the product rounded to ``out_dtype``."""
+    return torch.ops.fiberserve.quant_linear(x, packed, scales, mins, bias, out_dtype, gated)
 
 
 def top_k_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,11 +230,13 @@ def decoder_layers(
 ) -> None:
     """Every decoder layer on the float32 residual ``h`` [T, W], in place, writing K/V into ``k_cache``/``v_cache``
     [layers, slots, KVH, D]: per layer ``add_rms_norm``, qkv, ``rope_store``, ``paged_attention``, o,
-    ``add_rms_norm``, gate/up, ``silu_mul``, down, then the last layer's MLP output is added to ``h``.
+    ``add_rms_norm``, gated gate/up (SiLU x up in its epilogue), down, then the last layer's MLP output is added
+    to ``h``.
 
     ``attention``: (pages, row_span, row_keys, page_size, scale) as for :func:`paged_attention`.  ``layers``:
     flat lists (norms: 2 per layer; weights, scales, mins, biases: 4 per layer, in the order qkv, o, gate/up,
-    down); a product with scales runs :func:`quant_linear`, one without :func:`bf16_linear`.
+    down; gate/up's rows interleaved, see :func:`interleave_gate_up`); a product with scales runs
+    :func:`quant_linear`, one without :func:`bf16_linear`.
     """
     tables = (*attention, heads, eps, dtype)  # pages, row_span, row_keys, page_size, scale, ...
     torch.ops.fiberserve.decoder_layers(h, positions, cos, sin, write_slots, k_cache, v_cache, *tables, *layers)

@@ -17,6 +17,7 @@
 
 #include "ops.h"
 #include "prefetch.h"
+#include "vec16.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -37,7 +38,17 @@ inline void store(c10::BFloat16* out, __m512 y) {
 
 inline void store(float* out, __m512 y) { _mm512_storeu_ps(out, y); }
 
-template <int MR, int NR, typename out_t>
+// The value `store` writes, read back: what a product rounded to out_t hands the next kernel.
+inline __m512 stored(__m512 y, const c10::BFloat16*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(y)), 16));
+}
+
+inline __m512 stored(__m512 y, const float*) { return y; }
+
+// MR rows x NR blocks.  kGated: the first NR / 2 blocks are gate outputs and the others the matching up outputs
+// (see GateUp in linear.py); the tile writes silu(gate) * up, NR / 2 blocks, each input rounded to out_t first as
+// a separate product and silu_mul would see it.
+template <int MR, int NR, bool kGated, typename out_t>
 inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pairs, int64_t block_stride,
                  const float* bias, out_t* out, int64_t ldo) {
   __m512 acc[MR][NR];
@@ -55,47 +66,56 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pair
   }
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NR; ++c) {
-      __m512 y = acc[r][c];
-      if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + c * kBlock));
-      store(out + r * ldo + c * kBlock, y);
+      if (bias) acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_loadu_ps(bias + c * kBlock));
+      if constexpr (!kGated) store(out + r * ldo + c * kBlock, acc[r][c]);
     }
+  if constexpr (kGated)
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < NR / 2; ++c)
+        store16(out + r * ldo + c * kBlock,
+                silu_times((f32x16)stored(acc[r][c], out), (f32x16)stored(acc[r][c + NR / 2], out)));
 }
 
 // All rows against NR blocks: full tiles of kRows rows, then one tile of the remaining rows.
-template <int NR, typename out_t>
+template <int NR, bool kGated, typename out_t>
 void column_group(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t pairs,
                   int64_t block_stride, const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch) {
   int64_t r = 0;
   for (; r + kRows <= rows; r += kRows) {
-    tile<kRows, NR, out_t>(x + r * ldx, ldx, w, pairs, block_stride, bias, out + r * ldo, ldo);
+    tile<kRows, NR, kGated, out_t>(x + r * ldx, ldx, w, pairs, block_stride, bias, out + r * ldo, ldo);
     prefetch.step();
   }
   const uint16_t* xr = x + r * ldx;
   out_t* o = out + r * ldo;
   switch (rows - r) {
-    case 5: tile<5, NR, out_t>(xr, ldx, w, pairs, block_stride, bias, o, ldo); break;
-    case 4: tile<4, NR, out_t>(xr, ldx, w, pairs, block_stride, bias, o, ldo); break;
-    case 3: tile<3, NR, out_t>(xr, ldx, w, pairs, block_stride, bias, o, ldo); break;
-    case 2: tile<2, NR, out_t>(xr, ldx, w, pairs, block_stride, bias, o, ldo); break;
-    case 1: tile<1, NR, out_t>(xr, ldx, w, pairs, block_stride, bias, o, ldo); break;
+    case 5: tile<5, NR, kGated, out_t>(xr, ldx, w, pairs, block_stride, bias, o, ldo); break;
+    case 4: tile<4, NR, kGated, out_t>(xr, ldx, w, pairs, block_stride, bias, o, ldo); break;
+    case 3: tile<3, NR, kGated, out_t>(xr, ldx, w, pairs, block_stride, bias, o, ldo); break;
+    case 2: tile<2, NR, kGated, out_t>(xr, ldx, w, pairs, block_stride, bias, o, ldo); break;
+    case 1: tile<1, NR, kGated, out_t>(xr, ldx, w, pairs, block_stride, bias, o, ldo); break;
     default: break;
   }
 }
 
-// Rows [0, rows) against `count` blocks: column groups of up to kCols blocks.
-template <typename out_t>
+// Rows [0, rows) against `count` blocks: column groups of up to kCols blocks (gated: whole groups, each writing
+// kCols / 2 blocks).
+template <bool kGated, typename out_t>
 void blocks_of(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t K, int64_t count,
                const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch) {
   const int64_t block_stride = K * kBlock;
   for (int64_t first = 0; first < count; first += kCols) {
     const uint16_t* wg = w + first * block_stride;
     const float* bg = bias ? bias + first * kBlock : nullptr;
-    out_t* o = out + first * kBlock;
+    out_t* o = out + (kGated ? first / 2 : first) * kBlock;
+    if constexpr (kGated) {
+      column_group<kCols, true>(x, rows, ldx, wg, K / 2, block_stride, bg, o, ldo, prefetch);
+      continue;
+    }
     switch (std::min<int64_t>(kCols, count - first)) {
-      case 4: column_group<4>(x, rows, ldx, wg, K / 2, block_stride, bg, o, ldo, prefetch); break;
-      case 3: column_group<3>(x, rows, ldx, wg, K / 2, block_stride, bg, o, ldo, prefetch); break;
-      case 2: column_group<2>(x, rows, ldx, wg, K / 2, block_stride, bg, o, ldo, prefetch); break;
-      default: column_group<1>(x, rows, ldx, wg, K / 2, block_stride, bg, o, ldo, prefetch); break;
+      case 4: column_group<4, false>(x, rows, ldx, wg, K / 2, block_stride, bg, o, ldo, prefetch); break;
+      case 3: column_group<3, false>(x, rows, ldx, wg, K / 2, block_stride, bg, o, ldo, prefetch); break;
+      case 2: column_group<2, false>(x, rows, ldx, wg, K / 2, block_stride, bg, o, ldo, prefetch); break;
+      default: column_group<1, false>(x, rows, ldx, wg, K / 2, block_stride, bg, o, ldo, prefetch); break;
     }
   }
 }
@@ -106,16 +126,18 @@ void blocks_of(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* w, 
 // bound, so a narrower group at the edge costs nothing).  More rows: the (column group, row tile) pairs, in
 // group order, are split, so a thread may take part of a group's row tiles.  A row's arithmetic does not depend
 // on its tile, so the split changes no bits.
-template <typename out_t>
+template <bool kGated, typename out_t>
 void product(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t blocks, const float* bp,
              out_t* op, const PrefetchPlan* plan) {
-  const int64_t N = blocks * kBlock, block_stride = K * kBlock;
+  const int64_t N = (kGated ? blocks / 2 : blocks) * kBlock, block_stride = K * kBlock;
   const int64_t row_tiles = (M + kRows - 1) / kRows, groups = (blocks + kCols - 1) / kCols;
+  const int64_t unit = kGated ? kCols : 1;  // blocks per unit of the one-row-tile split (gated: whole groups)
   if (row_tiles == 1) {
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, blocks / unit, 1, [&](int64_t begin, int64_t end) {
       PrefetchCursor none(nullptr, 0);  // one row tile: a decode step of a few sequences, whose keys are few
-      blocks_of(xp, M, K, wp + begin * block_stride, K, end - begin, bp ? bp + begin * kBlock : nullptr,
-                op + begin * kBlock, N, none);
+      begin *= unit, end *= unit;
+      blocks_of<kGated>(xp, M, K, wp + begin * block_stride, K, end - begin, bp ? bp + begin * kBlock : nullptr,
+                        op + (begin / (kGated ? 2 : 1)) * kBlock, N, none);
     });
     return;
   }
@@ -125,8 +147,9 @@ void product(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, int64
       const int64_t g = unit / row_tiles, tile0 = unit % row_tiles;
       const int64_t tile1 = std::min(row_tiles, tile0 + (end - unit));
       const int64_t r0 = tile0 * kRows, r1 = std::min(M, tile1 * kRows), first = g * kCols;
-      blocks_of(xp + r0 * K, r1 - r0, K, wp + first * block_stride, K, std::min<int64_t>(kCols, blocks - first),
-                bp ? bp + first * kBlock : nullptr, op + r0 * N + first * kBlock, N, prefetch);
+      blocks_of<kGated>(xp + r0 * K, r1 - r0, K, wp + first * block_stride, K, std::min<int64_t>(kCols, blocks - first),
+                        bp ? bp + first * kBlock : nullptr, op + r0 * N + (kGated ? first / 2 : first) * kBlock, N,
+                        prefetch);
       unit += tile1 - tile0;
     }
   });
@@ -144,27 +167,30 @@ at::Tensor bf16_pack(const at::Tensor& weight) {
 }
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                       at::ScalarType out_dtype) {
-  return bf16_linear_prefetching(x, packed, bias, out_dtype, nullptr);
+                       at::ScalarType out_dtype, bool gated) {
+  return bf16_linear_prefetching(x, packed, bias, out_dtype, gated, nullptr);
 }
 
 at::Tensor bf16_linear_prefetching(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                                   at::ScalarType out_dtype, const PrefetchPlan* plan) {
+                                   at::ScalarType out_dtype, bool gated, const PrefetchPlan* plan) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16_linear: x must be bf16 [M, K]");
   TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x.size(1), "bf16_linear: weight not packed for this K");
   TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat, "bf16_linear: output is bfloat16 or float32");
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
+  TORCH_CHECK(!gated || blocks % kCols == 0, "bf16_linear: gated needs output features in multiples of ",
+              kCols * kBlock);
   at::Tensor a = x.contiguous();
   at::Tensor b = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  at::Tensor out = at::empty({M, blocks * kBlock}, x.options().dtype(out_dtype));
+  at::Tensor out = at::empty({M, (gated ? blocks / 2 : blocks) * kBlock}, x.options().dtype(out_dtype));
   const auto* xp = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
-  if (out_dtype == at::kFloat) {
-    product(xp, M, K, wp, blocks, bp, out.data_ptr<float>(), plan);
-  } else {
-    product(xp, M, K, wp, blocks, bp, out.data_ptr<c10::BFloat16>(), plan);
-  }
+  auto run = [&](auto* op) {
+    if (gated) product<true>(xp, M, K, wp, blocks, bp, op, plan);
+    else product<false>(xp, M, K, wp, blocks, bp, op, plan);
+  };
+  if (out_dtype == at::kFloat) run(out.data_ptr<float>());
+  else run(out.data_ptr<c10::BFloat16>());
   return out;
 }
 
@@ -174,12 +200,12 @@ bool bf16_gemm_available() { return false; }
 
 at::Tensor bf16_pack(const at::Tensor&) { TORCH_CHECK(false, "bf16_pack: built without AVX512-BF16"); }
 
-at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, at::ScalarType) {
+at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, at::ScalarType, bool) {
   TORCH_CHECK(false, "bf16_linear: built without AVX512-BF16");
 }
 
 at::Tensor bf16_linear_prefetching(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                   at::ScalarType, const PrefetchPlan*) {
+                                   at::ScalarType, bool, const PrefetchPlan*) {
   TORCH_CHECK(false, "bf16_linear: built without AVX512-BF16");
 }
 

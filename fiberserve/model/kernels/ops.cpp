@@ -15,10 +15,12 @@ TORCH_LIBRARY(fiberserve, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("bf16_gemm_available() -> bool");
   m.def("bf16_pack(Tensor weight) -> Tensor");
-  m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, ScalarType out_dtype) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, ScalarType out_dtype, bool gated=False) -> Tensor");
   m.def("quant_gemm_available() -> bool");
   m.def("top_k_rows(Tensor x, int k) -> (Tensor, Tensor)");
-  m.def("quant_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor? bias, ScalarType out_dtype) -> Tensor");
+  m.def(
+      "quant_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor? bias, ScalarType out_dtype, "
+      "bool gated=False) -> Tensor");
   m.def(
       "decoder_layers(Tensor(a!) h, Tensor positions, Tensor cos, Tensor sin, Tensor write_slots, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor pages, Tensor row_span, Tensor row_keys, int page_size, float scale, int heads, "

@@ -27,24 +27,28 @@ bool bf16_gemm_available();
 
 at::Tensor bf16_pack(const at::Tensor& weight);
 
+// gated: the weight's rows interleave gate and up outputs (groups of 64: 32 gate, then the matching 32 up); the
+// result is silu(gate) * up, half as wide.
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                       at::ScalarType out_dtype);
+                       at::ScalarType out_dtype, bool gated);
 
 bool quant_gemm_available();
 
+// gated: the weight's rows interleave gate and up outputs (groups of 32: 16 gate, then the matching 16 up); the
+// result is silu(gate) * up, half as wide.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
-                     const std::optional<at::Tensor>& bias, at::ScalarType out_dtype);
+                     const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool gated);
 
 struct PrefetchPlan;
 
 // bf16_linear that also pulls `plan`'s memory into cache while its tiles run (see prefetch.h); plan may be null.
 at::Tensor bf16_linear_prefetching(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                                   at::ScalarType out_dtype, const PrefetchPlan* plan);
+                                   at::ScalarType out_dtype, bool gated, const PrefetchPlan* plan);
 
 // quant_linear that also pulls `plan`'s memory into cache while its tiles run (see prefetch.h); plan may be null.
 at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                    const at::Tensor& mins, const std::optional<at::Tensor>& bias,
-                                   at::ScalarType out_dtype, const PrefetchPlan* plan);
+                                   at::ScalarType out_dtype, bool gated, const PrefetchPlan* plan);
 
 std::tuple<at::Tensor, at::Tensor> top_k_rows(const at::Tensor& x, int64_t k);
 

@@ -31,6 +31,7 @@
 
 #include "ops.h"
 #include "prefetch.h"
+#include "vec16.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -113,8 +114,20 @@ inline void step(const QuantizedRows& x, int64_t row0, int64_t input, const __m5
   }
 }
 
+// The value `store` writes, read back: what a product rounded to out_t hands the next kernel.
+inline __m512 stored(__m512 y, const c10::BFloat16*) {
+  alignas(64) c10::BFloat16 rounded[kBlock];
+  store(rounded, y);
+  return load_f32(rounded);
+}
+
+inline __m512 stored(__m512 y, const float*) { return y; }
+
 // MR rows x NR column blocks.  kNibbles: w holds 4-bit weights (unpacked here); otherwise one byte per weight.
-template <int MR, int NR, bool kNibbles, typename out_t>
+// kGated (NR = 2): block 0 holds gate outputs and block 1 the matching up outputs (see GateUp in linear.py); the
+// tile writes silu(gate) * up, one block, each input rounded to out_t first as a separate product and silu_mul
+// would see it.
+template <int MR, int NR, bool kNibbles, bool kGated, typename out_t>
 inline void tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, int64_t w_stride, const c10::Half* d,
                  const c10::Half* m, int64_t dm_stride, const float* bias, out_t* out, int64_t ldo) {
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -159,37 +172,41 @@ inline void tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, int64_t
   }
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NR; ++c) {
-      __m512 y = acc[r][c];
-      if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + c * kBlock));
-      store(out + r * ldo + c * kBlock, y);
+      if (bias) acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_loadu_ps(bias + c * kBlock));
+      if constexpr (!kGated) store(out + r * ldo + c * kBlock, acc[r][c]);
     }
+  if constexpr (kGated) {
+    static_assert(NR == 2, "a gated tile is one gate block and its up block");
+    for (int r = 0; r < MR; ++r)
+      store16(out + r * ldo, silu_times((f32x16)stored(acc[r][0], out), (f32x16)stored(acc[r][1], out)));
+  }
 }
 
 // All rows against NR column blocks: full tiles of kRows rows, then one tile of the remaining rows.
-template <int NR, bool kNibbles, typename out_t>
+template <int NR, bool kNibbles, bool kGated, typename out_t>
 void column_group(const QuantizedRows& x, int64_t M, const uint8_t* w, int64_t w_stride, const c10::Half* d,
                   const c10::Half* m, int64_t dm_stride, const float* bias, out_t* out, int64_t ldo,
                   PrefetchCursor& prefetch) {
   int64_t r = 0;
   for (; r + kRows <= M; r += kRows) {
-    tile<kRows, NR, kNibbles, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, out + r * ldo, ldo);
+    tile<kRows, NR, kNibbles, kGated, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, out + r * ldo, ldo);
     prefetch.step();
   }
   out_t* o = out + r * ldo;
   switch (M - r) {
-    case 5: tile<5, NR, kNibbles, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, o, ldo); break;
-    case 4: tile<4, NR, kNibbles, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, o, ldo); break;
-    case 3: tile<3, NR, kNibbles, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, o, ldo); break;
-    case 2: tile<2, NR, kNibbles, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, o, ldo); break;
-    case 1: tile<1, NR, kNibbles, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, o, ldo); break;
+    case 5: tile<5, NR, kNibbles, kGated, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, o, ldo); break;
+    case 4: tile<4, NR, kNibbles, kGated, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, o, ldo); break;
+    case 3: tile<3, NR, kNibbles, kGated, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, o, ldo); break;
+    case 2: tile<2, NR, kNibbles, kGated, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, o, ldo); break;
+    case 1: tile<1, NR, kNibbles, kGated, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, o, ldo); break;
     default: break;
   }
 }
 
-template <typename out_t>
+template <bool kGated, typename out_t>
 void product(const QuantizedRows& x, int64_t M, const uint8_t* packed, int bits, const c10::Half* d, const c10::Half* m,
              int64_t column_blocks, const float* bias, out_t* out, const PrefetchPlan* plan) {
-  const int64_t N = column_blocks * kBlock, groups = (column_blocks + kCols - 1) / kCols;
+  const int64_t N = (kGated ? column_blocks / 2 : column_blocks) * kBlock, groups = (column_blocks + kCols - 1) / kCols;
   const int64_t stride = x.K * kBlock * bits / 8, dm_stride = x.blocks * kBlock;  // per column block
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     PrefetchCursor prefetch(plan, (end - begin) * (M / kRows));
@@ -199,13 +216,13 @@ void product(const QuantizedRows& x, int64_t M, const uint8_t* packed, int bits,
       const c10::Half* dg = d + first * dm_stride;
       const c10::Half* mg = m + first * dm_stride;
       const float* bg = bias ? bias + first * kBlock : nullptr;
-      out_t* o = out + first * kBlock;
-      if (bits == 4) {
-        if (count == 2) column_group<2, true>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch);
-        else column_group<1, true>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch);
-      } else {
-        if (count == 2) column_group<2, false>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch);
-        else column_group<1, false>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch);
+      out_t* o = out + (kGated ? g : first) * kBlock;
+      if (kGated || count == 2) {
+        if (bits == 4) column_group<2, true, kGated>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch);
+        else column_group<2, false, kGated>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch);
+      } else if constexpr (!kGated) {
+        if (bits == 4) column_group<1, true, false>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch);
+        else column_group<1, false, false>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch);
       }
     }
   });
@@ -216,13 +233,13 @@ void product(const QuantizedRows& x, int64_t M, const uint8_t* packed, int bits,
 bool quant_gemm_available() { return true; }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
-                     const std::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
-  return quant_linear_prefetching(x, packed, scales, mins, bias, out_dtype, nullptr);
+                     const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool gated) {
+  return quant_linear_prefetching(x, packed, scales, mins, bias, out_dtype, gated, nullptr);
 }
 
 at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                    const at::Tensor& mins, const std::optional<at::Tensor>& bias,
-                                   at::ScalarType out_dtype, const PrefetchPlan* plan) {
+                                   at::ScalarType out_dtype, bool gated, const PrefetchPlan* plan) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "quant_linear: x must be bf16 or float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), blocks = K / kGroup;
@@ -250,15 +267,18 @@ at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packe
     quantize_rows(a.data_ptr<at::BFloat16>(), M, K, xq.data(), dx.data(), sx.data());
   }
   const QuantizedRows rows{xq.data(), dx.data(), sx.data(), K, blocks};
-  at::Tensor out = at::empty({M, column_blocks * kBlock}, x.options().dtype(out_dtype));
+  TORCH_CHECK(!gated || column_blocks % kCols == 0, "quant_linear: gated needs output features in multiples of ",
+              kCols * kBlock);
+  at::Tensor out = at::empty({M, (gated ? column_blocks / 2 : column_blocks) * kBlock}, x.options().dtype(out_dtype));
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  if (out_dtype == at::kFloat) {
-    product(rows, M, wp, bits, d.data_ptr<c10::Half>(), m.data_ptr<c10::Half>(), column_blocks, bp, out.data_ptr<float>(), plan);
-  } else {
-    product(rows, M, wp, bits, d.data_ptr<c10::Half>(), m.data_ptr<c10::Half>(), column_blocks, bp,
-            out.data_ptr<c10::BFloat16>(), plan);
-  }
+  const c10::Half *dp = d.data_ptr<c10::Half>(), *mp = m.data_ptr<c10::Half>();
+  auto run = [&](auto* op) {
+    if (gated) product<true>(rows, M, wp, bits, dp, mp, column_blocks, bp, op, plan);
+    else product<false>(rows, M, wp, bits, dp, mp, column_blocks, bp, op, plan);
+  };
+  if (out_dtype == at::kFloat) run(out.data_ptr<float>());
+  else run(out.data_ptr<c10::BFloat16>());
   return out;
 }
 
@@ -267,12 +287,12 @@ at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packe
 bool quant_gemm_available() { return false; }
 
 at::Tensor quant_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                     const std::optional<at::Tensor>&, at::ScalarType) {
+                     const std::optional<at::Tensor>&, at::ScalarType, bool) {
   TORCH_CHECK(false, "quant_linear: built without AVX512-VNNI");
 }
 
 at::Tensor quant_linear_prefetching(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                   const std::optional<at::Tensor>&, at::ScalarType, const PrefetchPlan*) {
+                                   const std::optional<at::Tensor>&, at::ScalarType, bool, const PrefetchPlan*) {
   TORCH_CHECK(false, "quant_linear: built without AVX512-VNNI");
 }
 

@@ -107,6 +107,14 @@ inline f32x16 exp_nonpositive(f32x16 x) {
   return p;
 }
 
+// silu(g) * u, silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) so that the exponent is never positive.  silu_mul
+// and the linear kernels' gated epilogue both compute it here, so they give the same bits.
+inline f32x16 silu_times(f32x16 g, f32x16 u) {
+  const f32x16 e = exp_nonpositive(g < 0 ? g : -g);
+  const f32x16 sigmoid = (g < 0 ? e : e * 0.0f + 1.0f) / (e + 1.0f);
+  return g * sigmoid * u;
+}
+
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 
 // Round to nearest even, as PyTorch does (NaN stays NaN).
