@@ -10,7 +10,7 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from fiberserve.bench.loadgen import LoadResult, LoadSpec, plot, run_load, summarize
+from fiberserve.bench.loadgen import LoadResult, LoadSpec, median_run, plot, run_load, summarize
 from fiberserve.bench.peak import bound_tokens_per_s, linear_flops, measure_peaks
 from fiberserve.bench.report import render
 from fiberserve.config import default_cache_dir
@@ -18,6 +18,8 @@ from fiberserve.model.loader import read_config
 
 #: Prompt seeds of the warm-up and the streamed run; the levels use 1, 2, 3, ... (see ``_levels``).
 WARMUP_SEED, STREAM_SEED = 100, 200
+#: Added to every seed per round of ``compare --rounds``, so no round repeats another's prompts.
+ROUND_SEEDS = 1000
 #: The fiberserve server with ``--quantization int4``: llama.cpp's arithmetic, the like-for-like llama-server peer.
 INT4_LABEL = "fiberserve int4"
 
@@ -50,6 +52,13 @@ def _run_levels(specs: list[LoadSpec], label: str) -> list[LoadResult]:
         )
         results.append(result)
     return results
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -117,23 +126,31 @@ def cmd_compare(args: argparse.Namespace) -> int:
         servers.append(P.vllm_server(args.port + 2, str(hf_dir), peers_dir, max_seqs=top))
     else:
         missing.append("vLLM (run scripts/peers/install_vllm.sh)")
-    series: dict[str, list[LoadResult]] = {}
-    streamed: dict[str, LoadResult] = {}
-    for server in servers:
-        server.start(out_dir)
-        try:
-            spec = replace(base, url=server.url, model=server.model, fresh_connections=server.fresh_connections)
-            _warm_up(spec)
-            series[server.name] = _run_levels(
-                _levels(spec, args.concurrency, [], args.requests_per_client), server.name
-            )
-            streamed[server.name] = asyncio.run(
-                run_load(
-                    replace(spec, concurrency=16, stream=True, requests=16 * args.requests_per_client, seed=STREAM_SEED)
+    # Round after round, each server in turn: a slow spell of this VM lands on every server's figures
+    # alike rather than on one server's, and each figure is the median round.
+    rounds: dict[str, list[list[LoadResult]]] = {}
+    streams: dict[str, list[LoadResult]] = {}
+    for round_index in range(args.rounds):
+        seed = round_index * ROUND_SEEDS
+        for server in servers:
+            server.start(out_dir)
+            try:
+                spec = replace(
+                    base, url=server.url, model=server.model, fresh_connections=server.fresh_connections, seed=seed
                 )
-            )
-        finally:
-            server.stop()
+                _warm_up(spec)
+                label = server.name if args.rounds == 1 else f"{server.name} (round {round_index + 1})"
+                rounds.setdefault(server.name, []).append(
+                    _run_levels(_levels(spec, args.concurrency, [], args.requests_per_client), label)
+                )
+                stream = replace(
+                    spec, concurrency=16, stream=True, requests=16 * args.requests_per_client, seed=STREAM_SEED + seed
+                )
+                streams.setdefault(server.name, []).append(asyncio.run(run_load(stream)))
+            finally:
+                server.stop()
+    series = {name: [median_run(list(level)) for level in zip(*runs, strict=True)] for name, runs in rounds.items()}
+    streamed = {name: median_run(runs) for name, runs in streams.items()}
     ablation: dict[str, list[LoadResult]] = {}
     if args.ablation:
         for label, extra in [
@@ -159,7 +176,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 server.stop()
     plot(series, str(out_dir / "benchmarks.png"))
     command = " ".join(["fiberserve", "bench", *map(shlex.quote, args.argv)])
-    text = render(command, args.concurrency, series, streamed, ablation, servers, missing, peaks, flops, args.notes)
+    per_round = {name: [[r.output_tokens_per_s for r in run] for run in runs] for name, runs in rounds.items()}
+    text = render(
+        command, args.concurrency, series, streamed, ablation, servers, missing, peaks, flops, args.notes, per_round
+    )
     Path(args.output).write_text(text)
     (out_dir / "results.json").write_text(
         json.dumps(
@@ -202,6 +222,9 @@ def main(argv: list[str]) -> int:
     compare.add_argument("--requests", type=int, default=16)
     compare.add_argument("--requests-per-client", type=int, default=3)
     compare.add_argument("--duration", type=float, default=240.0)
+    compare.add_argument(
+        "--rounds", type=_positive, default=1, help="run every server this many times, in turn; report the median"
+    )
     compare.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True)
     compare.add_argument("--fiberserve-args", default="", help="extra flags for fiberserve serve (one string)")
     compare.add_argument("--output", default="BENCHMARKS.md")

@@ -88,6 +88,14 @@ class LoadResult:
     first_errors: list[str] = field(default_factory=list)
 
 
+def median_run(runs: list[LoadResult]) -> LoadResult:
+    """The run of median output tokens/s (for an even count, the lower of the middle two), kept whole so that
+    its latencies describe the same run as its throughput."""
+    if not runs:
+        raise ValueError("no runs")
+    return sorted(runs, key=lambda r: r.output_tokens_per_s)[(len(runs) - 1) // 2]
+
+
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None

@@ -90,10 +90,15 @@ def render(
     peaks: Peaks,
     flops: TokenFlops,
     notes: str,
+    rounds: dict[str, list[list[float]]] | None = None,
 ) -> str:
     """BENCHMARKS.md: the table and ratios, the compute bound, latencies, streaming, the ablation, then the
-    hand-written ``notes`` file (where the time goes, what misses and why) if it exists."""
+    hand-written ``notes`` file (where the time goes, what misses and why) if it exists.
+
+    ``rounds``: every round's output tokens/s per server and level (``compare --rounds``), where ``series``
+    and ``streamed`` hold each level's median round; with more than one round they get a table of their own."""
     names = list(series)
+    count = max((len(runs) for runs in (rounds or {}).values()), default=1)
     lines = [
         "# Benchmarks",
         "",
@@ -109,9 +114,14 @@ def render(
     ]
     if missing:
         lines += ["Not measured (not installed): " + "; ".join(missing) + ".", ""]
+    lines += ["## Output tokens/s", ""]
+    if count > 1:
+        lines += [
+            f"Each figure is the median of {count} rounds (every server ran once per round, in turn; the ratios "
+            "and the sections below use the median round of each level); all rounds are under Rounds.",
+            "",
+        ]
     lines += [
-        "## Output tokens/s",
-        "",
         "| server | " + " | ".join(f"C={c}" for c in levels) + " |",
         "| --- |" + " --- |" * len(levels),
     ]
@@ -145,6 +155,12 @@ def render(
         ]
         for label, rs in ablation.items():
             lines.append(f"| {label} | " + " | ".join(f"{r.output_tokens_per_s:.1f}" for r in rs) + " |")
+    if count > 1:
+        lines += ["", "## Rounds", "", "Output tokens/s of every round, in order.", ""]
+        lines += ["| server | " + " | ".join(f"C={c}" for c in levels) + " |", "| --- |" + " --- |" * len(levels)]
+        for name, runs in (rounds or {}).items():
+            cells = [" / ".join(f"{run[i]:.1f}" for run in runs) for i in range(len(levels))]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "![throughput and latency](bench-results/benchmarks.png)", ""]
     if Path(notes).is_file():
         lines += [Path(notes).read_text()]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fiberserve.bench.loadgen import LoadResult
+from fiberserve.bench.loadgen import LoadResult, median_run
 from fiberserve.bench.peak import Peaks, TokenFlops
 from fiberserve.bench.peers import PeerServer
 from fiberserve.bench.report import render
@@ -56,3 +56,20 @@ def test_report_ratios_and_compute_bound_shares(tmp_path):
     text = render("c", [1, 64], series, {}, {}, servers, [], no_dot, flops, str(tmp_path / "absent.md"))
     assert "| fiberserve | 64 | 1000.0 | 0.50 | 50% | 1250 | - | - | - |" in text
     assert "bf16 peak: none (the CPU lacks the instruction) (issue 7" in text
+
+
+def test_rounds_report_the_median_round_and_list_every_round(tmp_path):
+    runs = [result(64, 900.0), result(64, 700.0), result(64, 800.0)]
+    assert median_run(runs) is runs[2]
+    assert median_run(runs[:2]) is runs[1]  # an even count: the lower of the middle two
+    servers = [PeerServer("fiberserve", [], 1), PeerServer("vLLM", [], 2)]
+    series = {"fiberserve": [median_run(runs)], "vLLM": [result(64, 400.0)]}
+    rounds = {"fiberserve": [[900.0], [700.0], [800.0]], "vLLM": [[400.0], [500.0], [300.0]]}
+    peaks = Peaks(threads=2, fp32=5e11, bf16=1e12, int8=2e12, q4_1=1.25e12)
+    flops = TokenFlops(decoder=0.5e9, head=0.5e9)
+    text = render("c", [64], series, {}, {}, servers, [], peaks, flops, str(tmp_path / "absent.md"), rounds)
+    assert "Each figure is the median of 3 rounds" in text
+    assert "| fiberserve | 800.0 |" in text and "| ratio fiberserve / vLLM | 2.00x |" in text
+    assert "## Rounds" in text and "| fiberserve | 900.0 / 700.0 / 800.0 |" in text
+    one = render("c", [64], series, {}, {}, servers, [], peaks, flops, str(tmp_path / "absent.md"))
+    assert "## Rounds" not in one and "median of" not in one
