@@ -231,7 +231,8 @@ def decoder_layers(
     """Every decoder layer on the float32 residual ``h`` [T, W], in place, writing K/V into ``k_cache``/``v_cache``
     [layers, slots, KVH, D]: per layer ``add_rms_norm``, qkv, ``rope_store``, ``paged_attention``, o,
     ``add_rms_norm``, gated gate/up (SiLU x up in its epilogue), down, then the last layer's MLP output is added
-    to ``h``.
+    to ``h``.  Each gate/up product also pulls the next layer's keys and values (the pages the rows will read)
+    into cache as its tiles run (``prefetch.h``), so that layer's attention does not wait for memory.
 
     ``attention``: (pages, row_span, row_keys, page_size, scale) as for :func:`paged_attention`.  ``layers``:
     flat lists (norms: 2 per layer; weights, scales, mins, biases: 4 per layer, in the order qkv, o, gate/up,
