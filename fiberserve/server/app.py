@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from contextlib import asynccontextmanager
 
@@ -79,6 +80,11 @@ async def _load(state: ServerState, service: LlmService | None) -> None:
         log.error("could not load the model: %s", state.load_error)
         return
     state.service = service
+    # What startup built (the model's modules, the tokenizer, imported code: ~200k objects) stays alive for good,
+    # yet every full collection would walk it again, holding the GIL while the event loop waits and taking a core
+    # from the step's kernels (2 cores here).  Frozen, the collector walks only what serving allocates.
+    gc.collect()
+    gc.freeze()
     log.info(
         "ready: %s on %s (%s), %d fibers, %d KV pages of %d tokens",
         service.model_name,
