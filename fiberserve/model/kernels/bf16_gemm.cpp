@@ -134,7 +134,7 @@ void product(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, int64
   const int64_t unit = kGated ? kCols : 1;  // blocks per unit of the one-row-tile split (gated: whole groups)
   if (row_tiles == 1) {
     at::parallel_for(0, blocks / unit, 1, [&](int64_t begin, int64_t end) {
-      PrefetchCursor none(nullptr, 0);  // one row tile: a decode step of a few sequences, whose keys are few
+      PrefetchCursor none;  // one row tile: a decode step of a few sequences, whose keys are few
       begin *= unit, end *= unit;
       blocks_of<kGated>(xp, M, K, wp + begin * block_stride, K, end - begin, bp ? bp + begin * kBlock : nullptr,
                         op + (begin / (kGated ? 2 : 1)) * kBlock, N, none);
@@ -142,7 +142,7 @@ void product(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, int64
     return;
   }
   at::parallel_for(0, groups * row_tiles, 1, [&](int64_t begin, int64_t end) {
-    PrefetchCursor prefetch(plan, end - begin);
+    PrefetchCursor prefetch = PrefetchCursor::thread_share(plan, end - begin);
     for (int64_t unit = begin; unit < end;) {
       const int64_t g = unit / row_tiles, tile0 = unit % row_tiles;
       const int64_t tile1 = std::min(row_tiles, tile0 + (end - unit));

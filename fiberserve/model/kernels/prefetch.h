@@ -14,24 +14,32 @@
 
 namespace fiberserve {
 
+using ByteRange = std::pair<const char*, int64_t>;
+
 // Byte ranges, in the order their user will read them.
 struct PrefetchPlan {
-  std::vector<std::pair<const char*, int64_t>> ranges;
+  std::vector<ByteRange> ranges;
 };
 
-// One thread's share of a plan (ranges split evenly by index between the threads of the parallel region),
-// issued a few cache lines at a time: call step() once per tile, `tiles` times in all.
+// Ranges issued a few cache lines at a time: call step() once per tile, `tiles` times in all.
 class PrefetchCursor {
  public:
-  PrefetchCursor(const PrefetchPlan* plan, int64_t tiles) {
-    if (plan == nullptr || plan->ranges.empty() || tiles <= 0) return;
-    const int64_t count = static_cast<int64_t>(plan->ranges.size()), threads = at::get_num_threads(),
-                  thread = at::get_thread_num();
-    range_ = plan->ranges.data() + count * thread / threads;
-    end_ = plan->ranges.data() + count * (thread + 1) / threads;
+  PrefetchCursor() = default;
+
+  PrefetchCursor(const ByteRange* first, const ByteRange* last, int64_t tiles) : range_(first), end_(last) {
+    if (tiles <= 0) return;
     int64_t lines = 0;
     for (auto* r = range_; r < end_; ++r) lines += (r->second + 63) / 64;
     per_step_ = (lines + tiles - 1) / tiles;
+  }
+
+  // The calling thread's share of a plan: its ranges split evenly by index between the region's threads.
+  static PrefetchCursor thread_share(const PrefetchPlan* plan, int64_t tiles) {
+    if (plan == nullptr || plan->ranges.empty()) return {};
+    const int64_t count = static_cast<int64_t>(plan->ranges.size()), threads = at::get_num_threads(),
+                  thread = at::get_thread_num();
+    const ByteRange* ranges = plan->ranges.data();
+    return PrefetchCursor(ranges + count * thread / threads, ranges + count * (thread + 1) / threads, tiles);
   }
 
   void step() {
@@ -43,8 +51,8 @@ class PrefetchCursor {
   }
 
  private:
-  const std::pair<const char*, int64_t>* range_ = nullptr;
-  const std::pair<const char*, int64_t>* end_ = nullptr;
+  const ByteRange* range_ = nullptr;
+  const ByteRange* end_ = nullptr;
   int64_t offset_ = 0, per_step_ = 0;
 };
 
