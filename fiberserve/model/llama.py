@@ -396,10 +396,11 @@ class LlamaModel:
         the float32 model would; the work is per row, so batch invariant.
         """
         k = min(REFINED_LOGITS, logits.shape[-1])
-        on_cpu = logits.device.type == "cpu"  # the kernel is 5x torch.topk over a vocabulary
-        top = kernels.top_k_rows(logits, k)[1] if on_cpu else logits.topk(k, dim=-1).indices  # [R, k]
-        exact = (h.unsqueeze(1) * self.lm_head[top].float()).sum(-1)
-        logits.scatter_(1, top, exact)
+        if logits.device.type == "cpu":  # one kernel: top-k (5x torch.topk over a vocabulary), float64 dots
+            kernels.refine_top_logits(logits, h, self.lm_head, k)
+            return
+        top = logits.topk(k, dim=-1).indices  # [R, k]
+        logits.scatter_(1, top, (h.unsqueeze(1) * self.lm_head[top].float()).sum(-1))
 
     def _attention(self, q: torch.Tensor, k_cache, v_cache, page_size: int, plan: _AttentionPlan) -> torch.Tensor:
         """q: [T, H, D] -> [T, H*D], each row attending to its own sequence only (the generic path).

@@ -256,3 +256,21 @@ def test_top_k_rows_matches_topk_and_argmax(dtype):
     assert indices[2, :2].tolist() == [7, 900]
     assert torch.equal(kernels.top_k_rows(x, 1)[1][:, 0], x.float().nan_to_num(-1e9).argmax(-1))
     assert torch.equal(kernels.top_k_rows(x[2:3], 16)[1][0], indices[2])  # a row alone: the same
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_refine_top_logits_rescores_the_top_k_as_float64_dot_products(weight_dtype):
+    torch.manual_seed(7)
+    rows, vocab, width, k = 6, 300, 72, 16  # 72: a tail after the 8-wide steps
+    hidden, weight = torch.randn(rows, width), torch.randn(vocab, width).to(weight_dtype)
+    logits = (hidden @ weight.float().T).to(torch.bfloat16).float()  # coarse, as the bf16 head gives them
+    top = logits.topk(k).indices
+    exact = torch.einsum("rw,rkw->rk", hidden.double(), weight.double()[top]).float()
+    expected = logits.scatter(1, top, exact)
+
+    refined = logits.clone()
+    kernels.refine_top_logits(refined, hidden, weight, k)
+    assert torch.equal(refined, expected)  # the k best re-scored, every other logit untouched
+    alone = logits[4:5].clone()
+    kernels.refine_top_logits(alone, hidden[4:5], weight, k)
+    assert torch.equal(alone[0], refined[4])  # a row alone: the same bits

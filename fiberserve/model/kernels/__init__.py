@@ -214,6 +214,15 @@ def top_k_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.fiberserve.top_k_rows(x, k)
 
 
+def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int) -> None:
+    """Re-score the ``k`` (<= 64) largest logits of each row in place: ``logits`` float32 [R, V] (contiguous,
+    CPU), ``hidden`` float32 [R, W], ``weight`` [V, W] float32 or bf16.  Each candidate's logit becomes the dot
+    product of its weight row and the row's hidden state, accumulated in float64 and rounded once to float32
+    (in a fixed order: the same bits for a row alone or in any batch).  The candidates are
+    :func:`top_k_rows`'s."""
+    torch.ops.fiberserve.refine_top_logits(logits, hidden, weight, k)
+
+
 def decoder_layers(
     h: torch.Tensor,
     positions: torch.Tensor,

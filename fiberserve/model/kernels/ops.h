@@ -50,6 +50,8 @@ at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packe
                                    const at::Tensor& mins, const std::optional<at::Tensor>& bias,
                                    at::ScalarType out_dtype, bool gated, const PrefetchPlan* plan);
 
+void refine_top_logits(at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight, int64_t k);
+
 std::tuple<at::Tensor, at::Tensor> top_k_rows(const at::Tensor& x, int64_t k);
 
 void decoder_layers(at::Tensor& h, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
