@@ -388,11 +388,12 @@ class LlamaModel:
         return h
 
     def _refine_top(self, logits: torch.Tensor, h: torch.Tensor) -> None:
-        """Recompute the leading candidates' logits in float32, in place.
+        """Recompute the leading candidates' logits exactly, in place.
 
         Logits from bf16 (or int8) inputs are coarse, so the top tokens often
-        nearly tie and greedy decoding would pick by rounding noise.  The exact
-        float32 dot products of the top :data:`REFINED_LOGITS` break those ties as
+        nearly tie and greedy decoding would pick by rounding noise.  The dot
+        products of the top :data:`REFINED_LOGITS` with the float32 hidden state
+        (accumulated in float64 on CPU, in float32 elsewhere) break those ties as
         the float32 model would; the work is per row, so batch invariant.
         """
         k = min(REFINED_LOGITS, logits.shape[-1])
