@@ -172,12 +172,15 @@ def test_quant_linear_is_exact_block_arithmetic_and_rows_are_exact_at_any_count(
     n, k = 48, 1536
     q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)
     scales = (torch.rand(n, k // 32) * 0.01).half().float()  # stored in float16
-    mins = (-torch.rand(n, k // 32) * 0.05).half().float()
+    mins = (-torch.rand(n, k // 32) * 0.05).half().float() if bits == 4 else -128 * scales  # Q8_0: signed q + 128
     weight = (q.double().view(n, -1, 32) * scales.double()[..., None] + mins.double()[..., None]).view(n, k)
     bias = torch.randn(n)
     x = torch.randn(13, k).bfloat16()
     x[3, 64:96] = 0  # an all-zero block quantizes to zeros
     packed = kernels.quant_pack(q, scales, mins, bits)
+    if bits == 8:
+        with pytest.raises(ValueError, match="Q8_0"):
+            kernels.quant_pack(q, scales, mins / 2, bits)
     wide = kernels.quant_linear(x, *packed, bias, torch.float32)
     expected = quantized_rows(x) @ weight.t() + bias.double()
     torch.testing.assert_close(wide.double(), expected, atol=2e-5 * expected.abs().max().item(), rtol=0)

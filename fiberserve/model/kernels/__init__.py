@@ -171,8 +171,13 @@ def quant_pack(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weights in blocks of 32 inputs for :func:`quant_linear`: ``q`` uint8 [N, K] (N % 16 == 0, K % 32 == 0),
     below ``2 ** bits`` (4 or 8), and the blocks' ``scales`` and ``mins`` [N, K / 32] (``w = scale * q + min``,
-    stored in float16) -> (weights, scales, mins) in the kernel's layout (see ``quant_gemm.cpp``)."""
+    stored in float16) -> (weights, scales, mins) in the kernel's layout (see ``quant_gemm.cpp``).
+
+    8 bits are Q8_0 blocks, the signed q stored as q + 128: ``mins`` must be ``-128 * scales``, and the kernel
+    computes the offset in integers, so the mins returned are empty."""
     n, k = q.shape
+    if bits == 8 and not torch.equal(mins.half(), (-128 * scales.half().float()).half()):
+        raise ValueError("8-bit blocks are Q8_0: mins must be -128 * scales")
     if bits == 4:
         q6 = q.view(n // 16, 16, k // 32, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # [N/16, K/32, half, step, 16, 4]
         packed = (q6[:, :, 0] | (q6[:, :, 1] << 4)).contiguous()
@@ -184,7 +189,7 @@ def quant_pack(
     def per_block(t: torch.Tensor) -> torch.Tensor:
         return t.half().view(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()
 
-    return packed, per_block(scales), per_block(mins)
+    return packed, per_block(scales), per_block(mins) if bits == 4 else torch.empty(0, dtype=torch.half)
 
 
 def quant_linear(

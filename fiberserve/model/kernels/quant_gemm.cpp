@@ -1,13 +1,17 @@
 // Block-quantized weights x Q8 activations for linear layers: llama.cpp's arithmetic for Q4_1 and Q8_0 weights.
-// out[M, N] = x[M, K] . W[N, K]^T (+ bias), with W in blocks of 32 inputs (w = d * q + m; q unsigned: 0..15 for
-// 4 bits, 0..255 for 8 bits, where Q8_0's signed q is stored as q + 128 with m = -128 d) and each row of x
-// quantized per block of 32 to int8 (x ~ dx * xq, dx = max|x| / 127).  A block's dot product is
-//   d * dx * sum(q * xq) + m * sx,   sx = dx * sum(xq),
-// i.e. exactly the dot product of the dequantized weights and the quantized activations.  sum(q * xq) is integer
+// out[M, N] = x[M, K] . W[N, K]^T (+ bias), with W in blocks of 32 inputs and each row of x quantized per block of
+// 32 to int8 (x ~ dx * xq, dx = max|x| / 127).  Two weight formats, llama.cpp's:
+//   4 bits (Q4_1): w = d * q + m, q in 0..15; a block's dot product is  d * dx * sum(q * xq) + m * sx,
+//                  sx = dx * sum(xq);
+//   8 bits (Q8_0): w = d * (q - 128), the signed q stored as q + 128; a block's dot product is
+//                  d * dx * (sum(q * xq) - 128 * sum(xq)),
+// i.e. exactly the dot product of the dequantized weights and the quantized activations.  The sums are integer
 // arithmetic: AVX512-VNNI vpdpbusd multiplies 4 unsigned q by 4 signed xq per lane, 64 products an instruction
-// (twice vdpbf16ps's 32).  The block's scaling (a multiply and two multiply-adds per 16 outputs; the convert
-// runs on other pipes) takes 3 of vpdpbusd's issue slots per 8, so 8/11 = 72% of its rate is this arithmetic's
-// ceiling (`fiberserve bench peak`, "int8 in Q4_1 blocks"); the 6 x 2 tile runs at it with its data in L1.
+// (twice vdpbf16ps's 32).  The block's scaling takes some of vpdpbusd's issue slots (the convert runs on other
+// pipes): for Q4_1 a multiply and two multiply-adds per 16 outputs, 3 per 8 vpdpbusd, so 8/11 = 72% of its rate is
+// this arithmetic's ceiling (`fiberserve bench peak`, "int8 in Q4_1 blocks"); the 6 x 2 tile runs at it with its
+// data in L1.  For Q8_0 the integer sums start at -128 * sum(xq) (a broadcast, free) instead of 0, which leaves a
+// multiply and one multiply-add: 8/10.  (It used to be computed as Q4_1 with m = -128 d, a third operation.)
 //
 // Layout, per 16 output features: 8 bits as [N / 16][K / 4][16][4] bytes (one 64-byte load is a 4-input step of
 // 16 outputs); 4 bits as [N / 16][K / 32][4][16][4] bytes, the low nibble for inputs 4j..4j+3 of a block and the
@@ -76,17 +80,18 @@ inline void store(c10::BFloat16* out, __m512 y) {  // round to nearest even, lik
 
 inline void store(float* out, __m512 y) { _mm512_storeu_ps(out, y); }
 
-// The rows of x, quantized: xq int8 [M, K], dx and sx float [M, K / 32].
+// The rows of x, quantized: xq int8 [M, K], dx and sx float [M, K / 32], and -128 * sum(xq) int32 [M, K / 32].
 struct QuantizedRows {
   const int8_t* q;
   const float* d;
   const float* s;
+  const int32_t* offset;  // where Q8_0's integer sums start
   int64_t K;
   int64_t blocks;
 };
 
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx) {
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx, int32_t* offset) {
   const int64_t blocks = K / kGroup;
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
@@ -103,7 +108,9 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, floa
         _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm512_cvtsepi32_epi8(q0));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(o + kBlock), _mm512_cvtsepi32_epi8(q1));
         dx[r * blocks + b] = d;
-        sx[r * blocks + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        sx[r * blocks + b] = d * static_cast<float>(sum);
+        offset[r * blocks + b] = -128 * sum;
       }
     }
   });
@@ -141,8 +148,10 @@ inline void tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, int64_t
     for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.blocks; ++b) {
     __m512i sums[MR][NR];
-    for (int r = 0; r < MR; ++r)
-      for (int c = 0; c < NR; ++c) sums[r][c] = _mm512_setzero_si512();
+    for (int r = 0; r < MR; ++r) {
+      const __m512i start = kNibbles ? _mm512_setzero_si512() : _mm512_set1_epi32(x.offset[(row0 + r) * x.blocks + b]);
+      for (int c = 0; c < NR; ++c) sums[r][c] = start;
+    }
     if constexpr (kNibbles) {
       for (int j = 0; j < 4; ++j) {
         __m512i lo[NR], hi[NR];
@@ -164,13 +173,12 @@ inline void tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, int64_t
     __m512 dv[NR], mv[NR];
     for (int c = 0; c < NR; ++c) {
       dv[c] = load_half(d + c * dm_stride + b * kBlock);
-      mv[c] = load_half(m + c * dm_stride + b * kBlock);
+      if constexpr (kNibbles) mv[c] = load_half(m + c * dm_stride + b * kBlock);
     }
     for (int r = 0; r < MR; ++r) {
       const __m512 dx = _mm512_set1_ps(x.d[(row0 + r) * x.blocks + b]);
-      const __m512 sx = _mm512_set1_ps(x.s[(row0 + r) * x.blocks + b]);
       for (int c = 0; c < NR; ++c) {
-        acc[r][c] = _mm512_fmadd_ps(mv[c], sx, acc[r][c]);
+        if constexpr (kNibbles) acc[r][c] = _mm512_fmadd_ps(mv[c], _mm512_set1_ps(x.s[(row0 + r) * x.blocks + b]), acc[r][c]);
         acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][c]), _mm512_mul_ps(dv[c], dx), acc[r][c]);
       }
     }
@@ -224,7 +232,7 @@ void product(const QuantizedRows& x, int64_t M, const uint8_t* packed, int bits,
       const ByteRange ahead[3] = {{reinterpret_cast<const char*>(packed + next * stride), next_count * stride},
                                   {reinterpret_cast<const char*>(d + next * dm_stride), next_count * dm_stride * 2},
                                   {reinterpret_cast<const char*>(m + next * dm_stride), next_count * dm_stride * 2}};
-      PrefetchCursor next_group(ahead, ahead + (next_count > 0 ? 3 : 0), M / kRows);
+      PrefetchCursor next_group(ahead, ahead + (next_count == 0 ? 0 : bits == 4 ? 3 : 2), M / kRows);  // Q8_0: no mins
       const uint8_t* w = packed + first * stride;
       const c10::Half* dg = d + first * dm_stride;
       const c10::Half* mg = m + first * dm_stride;
@@ -263,8 +271,8 @@ at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packe
   const int bits = packed.dim() == 5 ? 4 : 8;
   const int64_t column_blocks = packed.size(0);
   TORCH_CHECK(scales.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf &&
-                  scales.numel() == column_blocks * blocks * kBlock && mins.numel() == scales.numel(),
-              "quant_linear: scales and mins must be float16 [N / 16, K / 32, 16]");
+                  scales.numel() == column_blocks * blocks * kBlock && mins.numel() == (bits == 4 ? scales.numel() : 0),
+              "quant_linear: scales (and for 4 bits mins) must be float16 [N / 16, K / 32, 16]; 8 bits have no mins");
   TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat, "quant_linear: output is bfloat16 or float32");
   const at::Tensor a = x.contiguous(), w = packed.contiguous(), d = scales.contiguous(), m = mins.contiguous();
   const at::Tensor b = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
@@ -272,17 +280,19 @@ at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packe
   // and no zeroing of what a shrink and a regrowth would hand back (every down product after a qkv product).
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> dx, sx;
+  thread_local std::vector<int32_t> offset;
   if (xq.size() < static_cast<size_t>(M * K)) xq.resize(static_cast<size_t>(M * K));
   if (dx.size() < static_cast<size_t>(M * blocks)) {
     dx.resize(static_cast<size_t>(M * blocks));
     sx.resize(static_cast<size_t>(M * blocks));
+    offset.resize(static_cast<size_t>(M * blocks));
   }
   if (a.scalar_type() == at::kFloat) {
-    quantize_rows(a.data_ptr<float>(), M, K, xq.data(), dx.data(), sx.data());
+    quantize_rows(a.data_ptr<float>(), M, K, xq.data(), dx.data(), sx.data(), offset.data());
   } else {
-    quantize_rows(a.data_ptr<at::BFloat16>(), M, K, xq.data(), dx.data(), sx.data());
+    quantize_rows(a.data_ptr<at::BFloat16>(), M, K, xq.data(), dx.data(), sx.data(), offset.data());
   }
-  const QuantizedRows rows{xq.data(), dx.data(), sx.data(), K, blocks};
+  const QuantizedRows rows{xq.data(), dx.data(), sx.data(), offset.data(), K, blocks};
   TORCH_CHECK(!gated || column_blocks % kCols == 0, "quant_linear: gated needs output features in multiples of ",
               kCols * kBlock);
   at::Tensor out = at::empty({M, (gated ? column_blocks / 2 : column_blocks) * kBlock}, x.options().dtype(out_dtype));
