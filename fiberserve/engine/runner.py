@@ -89,7 +89,10 @@ class ModelRunner:
     def __call__(self, flight: Flight) -> FlightResult:
         self.faults.maybe_fail()
         batch = self.build_batch(flight)
-        logits = self.model.forward(batch, self.cache)
         sampling = [item.seq for item in flight.items if item.samples]
-        picked = iter(sample(logits, sampling) if sampling else [])
+        if sampling and all(seq.params.argmax_only for seq in sampling):  # the tokens alone, no logits written
+            picked = iter([(token, None) for token in self.model.greedy(batch, self.cache)])
+        else:
+            logits = self.model.forward(batch, self.cache)
+            picked = iter(sample(logits, sampling) if sampling else [])
         return FlightResult([next(picked) if item.samples else None for item in flight.items])

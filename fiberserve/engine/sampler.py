@@ -12,7 +12,7 @@ import torch
 
 from fiberserve.engine.sampling_params import SamplingParams
 from fiberserve.engine.sequence import Sequence, TokenLogprob
-from fiberserve.model import kernels
+from fiberserve.model.llama import argmax_rows
 
 
 def _apply_penalties(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
@@ -44,23 +44,13 @@ def _truncate(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def _argmax_rows(logits: torch.Tensor) -> list[int]:
-    """``logits.argmax(-1)`` (the first maximum), by the CPU kernel where the model built the kernels (8x faster
-    over a vocabulary)."""
-    if kernels.loaded() and logits.dtype in (torch.float32, torch.bfloat16):
-        picked = kernels.top_k_rows(logits, 1)[1][:, 0]
-        if bool((picked >= 0).all()):  # a row of NaN has no pick: leave it to torch
-            return picked.tolist()
-    return logits.argmax(dim=-1).tolist()
-
-
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
     """One next token (and its logprob, if asked) per row of ``logits`` [R, vocab] float32."""
     logits = logits.cpu()  # per-sequence generators live on the CPU
     want_logprobs = any(s.params.logprobs or s.params.top_logprobs for s in seqs)
     log_probs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     if all(s.params.greedy and not s.params.needs_penalties for s in seqs):
-        chosen = _argmax_rows(logits)
+        chosen = argmax_rows(logits)
     else:
         chosen = []
         for i, seq in enumerate(seqs):

@@ -44,6 +44,11 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
+    @property
+    def argmax_only(self) -> bool:
+        """The next token is the logits' argmax and nothing else of them is needed (no penalties, no logprobs)."""
+        return self.greedy and not self.needs_penalties and not (self.logprobs or self.top_logprobs)
+
     def validate(self, max_n: int = 16, vocab_size: int | None = None) -> SamplingParams:
         """Raise :class:`InvalidParameter` naming the first bad field; return self."""
         checks = [

@@ -163,6 +163,13 @@ class QuantLinear:
         extension's ``quant_linear``, else None."""
         return (self.weight, self.scales, self.mins, self.bias) if self.vnni else None
 
+    def top_k(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The ``k`` largest outputs of each row of the float32 product, as :func:`.kernels.top_k_rows` would pick
+        them, without writing the product (VNNI kernel, no bias); None elsewhere."""
+        if not self.vnni or self.bias is not None:
+            return None
+        return kernels.quant_linear_top_k(x, self.weight, self.scales, self.mins, k)
+
     def __call__(self, x: torch.Tensor, wide: bool = False, gated: bool = False) -> torch.Tensor:
         """``wide=True``: a float32 result from the VNNI kernel; elsewhere the result is in ``x``'s dtype.
         ``gated=True`` (VNNI kernel only): see :class:`GateUp`."""

@@ -255,6 +255,16 @@ class _Layer:
         self.down = linear(get("mlp.down_proj.weight"))
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """``logits.argmax(-1)`` (the first maximum), by the CPU kernel where the model built the kernels (8x faster
+    over a vocabulary)."""
+    if kernels.loaded() and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16):
+        picked = kernels.top_k_rows(logits, 1)[1][:, 0]
+        if bool((picked >= 0).all()):  # a row of NaN has no pick: leave it to torch
+            return picked.tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 class LlamaModel:
     """Weights plus the forward pass; stateless between calls (the KV cache is passed in)."""
 
@@ -325,6 +335,36 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Run the flat batch, write its K/V into ``cache``, return float32 logits [R, vocab]."""
+        h = self._final_hidden(batch, cache)
+        logits = self.logits(h.to(self.dtype), wide=True).float()  # float32 straight from the CPU kernels
+        if self.dtype != torch.float32:
+            self._refine_top(logits, h)
+        return logits
+
+    @torch.inference_mode()
+    def greedy(self, batch: ForwardBatch, cache: KVCache) -> list[int]:
+        """:meth:`forward`, then the argmax of each row (the first maximum): the same tokens.
+
+        Where the head is the extension's ``quant_linear``, its kernel keeps each row's top candidates as its
+        tiles produce them (``quant_linear_top_k``), and the argmax is taken over those once re-scored
+        (:func:`.kernels.refined_argmax`): the [R, vocab] float32 logits are never written nor read back
+        (64 rows: 12.6 MB written, then read by the re-scoring's top-k pass and again by the argmax)."""
+        h = self._final_hidden(batch, cache)
+        k = REFINED_LOGITS + 1  # the re-scored candidates and the best of the rest
+        if isinstance(self.logits, QuantLinear) and self.dtype != torch.float32 and k < self.config.vocab_size:
+            top = self.logits.top_k(h.to(self.dtype), k)
+            if top is not None:
+                picked = kernels.refined_argmax(*top, h, self.lm_head)
+                if bool((picked >= 0).all()):  # else a row of NaN: argmax_rows below decides as forward's caller would
+                    return picked.tolist()
+        logits = self.logits(h.to(self.dtype), wide=True).float()
+        if self.dtype != torch.float32:
+            self._refine_top(logits, h)
+        return argmax_rows(logits)
+
+    def _final_hidden(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """The decoder layers over the batch (K/V written into ``cache``), then the final norm of the rows whose
+        logits are asked for: float32 [R, hidden]."""
         tokens, positions, new = batch.tokens, batch.positions, batch.num_tokens
         if new < self.min_rows:  # pad the batch once rather than every linear layer (see .linear); the
             pad = torch.zeros(self.min_rows - new, dtype=torch.long)  # padding rows write no K/V, join no span
@@ -345,11 +385,7 @@ class LlamaModel:
         else:
             plan = _AttentionPlan.build(batch, cache.page_size, self.min_query_rows, self.dtype, self.device)
             h = self._layers_generic(h, positions, write_slots, cache, plan)
-        h = F.rms_norm(h[batch.logit_rows.to(self.device)], (self.config.hidden_size,), self.norm, self.eps)
-        logits = self.logits(h.to(self.dtype), wide=True).float()  # float32 straight from the CPU kernels
-        if self.dtype != torch.float32:
-            self._refine_top(logits, h)
-        return logits
+        return F.rms_norm(h[batch.logit_rows.to(self.device)], (self.config.hidden_size,), self.norm, self.eps)
 
     def _layers_fused(self, h, positions, write_slots, cache: KVCache, plan: _KernelPlan) -> None:
         """The decoder layers with the C++ kernels (CPU): 8 ops per layer; ``h`` is updated in place.

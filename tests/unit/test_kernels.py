@@ -277,3 +277,51 @@ def test_refine_top_logits_rescores_the_top_k_as_float64_dot_products(weight_dty
     alone = logits[4:5].clone()
     kernels.refine_top_logits(alone, hidden[4:5], weight, k)
     assert torch.equal(alone[0], refined[4])  # a row alone: the same bits
+
+
+@pytest.mark.skipif(not kernels.quant_gemm_available(), reason="this CPU has no AVX512-VNNI")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quant_linear_top_k_is_top_k_rows_of_the_product_bit_for_bit(bits):
+    """The top k kept as the tiles go equal top_k_rows of the written product: values, indices and the order of
+    ties (outputs 5 and 300 have the same weights, so every row ties them, 5 first, across the threads' ranges)."""
+    torch.manual_seed(11)
+    n, k_in = 400, 576
+    q = torch.randint(0, 2**bits, (n, k_in), dtype=torch.uint8)
+    scales = (torch.rand(n, k_in // 32) * 0.01).half().float()
+    mins = (-torch.rand(n, k_in // 32) * 0.05).half().float() if bits == 4 else -128 * scales
+    for tied in (scales, mins, q):
+        tied[300] = tied[5]
+    x = torch.randn(13, k_in).bfloat16()
+    x[4] = x[4].abs()  # rows where the tied outputs rank high are likelier with the weights below
+    q[5] = q[300] = 2**bits - 1
+    packed = kernels.quant_pack(q, scales, mins, bits)
+    for rows in (1, 6, 13):
+        product = kernels.quant_linear(x[:rows], *packed, None, torch.float32)
+        for k in (1, 17, 64):
+            values, indices = kernels.quant_linear_top_k(x[:rows], *packed, k)
+            expected_values, expected_indices = kernels.top_k_rows(product, k)
+            assert torch.equal(values, expected_values) and torch.equal(indices, expected_indices)
+    assert torch.equal(product[:, 5], product[:, 300])
+    order = kernels.quant_linear_top_k(x, *packed, 64)[1].tolist()
+    assert any(5 in row for row in order)
+    assert all(row.index(5) < row.index(300) for row in order if 5 in row and 300 in row)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_refined_argmax_is_the_argmax_of_the_refined_logits(weight_dtype):
+    """From the k + 1 best coarse logits alone: the argmax over the row once its k best are re-scored, including
+    rows where the best of the rest (not re-scored) wins, and a row of NaN (no candidate: -1)."""
+    torch.manual_seed(3)
+    rows, vocab, width, k = 40, 500, 64, 16
+    hidden, weight = torch.randn(rows, width), torch.randn(vocab, width).to(weight_dtype)
+    logits = (hidden @ weight.float().T).to(torch.bfloat16).float()
+    logits[::2] = torch.randn(rows // 2, vocab) * 3  # unrelated to the exact dots: the rest often wins there
+    logits[1, 7] = logits[1, 9] = 1e4  # coarse ties
+    logits[3] = float("nan")
+    refined = logits.clone()
+    kernels.refine_top_logits(refined, hidden, weight, k)
+    expected = kernels.top_k_rows(refined, 1)[1][:, 0]
+    picked = kernels.refined_argmax(*kernels.top_k_rows(logits, k + 1), hidden, weight)
+    assert torch.equal(picked, expected) and picked[3] == -1
+    rest = kernels.top_k_rows(logits, k + 1)[1][:, k]
+    assert bool((picked == rest).any()) and bool((picked != rest).any())

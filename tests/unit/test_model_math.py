@@ -256,3 +256,21 @@ def test_layer_loop_in_cpp_gives_the_python_loops_bits(tmp_path, quantization, b
         results.append((model.forward(prefill_batch(seqs, start=start), cache), cache.k, cache.v))
     for ours, theirs in zip(*results, strict=True):
         assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_greedy_gives_the_argmax_of_forward(tiny_dirs, quantization):
+    """``greedy`` (the int4 head keeps its top candidates as its tiles go; no logits written) picks the first
+    maximum of ``forward``'s logits, row by row."""
+    from fiberserve.model import kernels
+    from fiberserve.model.linear import vnni_available
+
+    if quantization == "int4" and not vnni_available():
+        pytest.skip("the int4 mode's head runs on the AVX512-VNNI kernel")
+    model = LlamaModel(load_checkpoint(tiny_dirs["gguf"], progress=False), torch.bfloat16, quantization=quantization)
+    seqs = [(TOKENS * 2, [3, 1, 4, 0, 5, 9]), (TOKENS[:7], [2, 6])]
+    batch = prefill_batch(seqs)
+    logits = model.forward(batch, KVCache(model.config, 16, PAGE, torch.bfloat16, "cpu"))
+    tokens = model.greedy(batch, KVCache(model.config, 16, PAGE, torch.bfloat16, "cpu"))
+    assert len(tokens) == logits.shape[0] == len(TOKENS) * 2 + 7
+    assert tokens == kernels.top_k_rows(logits, 1)[1][:, 0].tolist() == logits.argmax(-1).tolist()

@@ -17,6 +17,7 @@ a C++ compiler (g++ or clang++); ninja comes with the project's dependencies.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from pathlib import Path
 
@@ -36,6 +37,7 @@ _SOURCES = [
         "decoder.cpp",
     )
 ]
+_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _lock = threading.Lock()
 _loaded = False
@@ -49,10 +51,13 @@ def load() -> None:
             return
         from torch.utils.cpp_extension import load as load_extension
 
+        # PyTorch rebuilds when a source or a flag changes, not when only a header does: the headers' hash is
+        # passed as a flag so that a changed header rebuilds too.
+        headers = hashlib.sha256(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:16]
         load_extension(
             name="fiberserve_kernels",
             sources=[str(s) for s in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DFIBERSERVE_HEADERS={headers}"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )
@@ -211,6 +216,14 @@ def quant_linear(
     return torch.ops.fiberserve.quant_linear(x, packed, scales, mins, bias, out_dtype, gated)
 
 
+def quant_linear_top_k(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``top_k_rows(quant_linear(x, packed, scales, mins, None, torch.float32), k)``, the same values and indices,
+    without writing the product: each row's running top ``k`` is kept as the tiles produce its outputs."""
+    return torch.ops.fiberserve.quant_linear_top_k(x, packed, scales, mins, k)
+
+
 def top_k_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` (<= 64) largest values of each row of ``x`` [R, n] (float32 or bf16, CPU), largest first, as
     float32 values and int64 indices [R, k]; equal values in index order (``k=1`` is ``argmax``'s first
@@ -226,6 +239,14 @@ def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.
     (in a fixed order: the same bits for a row alone or in any batch).  The candidates are
     :func:`top_k_rows`'s."""
     torch.ops.fiberserve.refine_top_logits(logits, hidden, weight, k)
+
+
+def refined_argmax(
+    values: torch.Tensor, indices: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    """Each row's argmax (the first maximum) of its logits after :func:`refine_top_logits` with ``k``, from
+    ``(values, indices) = top_k_rows(logits, k + 1)`` alone: LongTensor [R] (-1 for a row with no candidate)."""
+    return torch.ops.fiberserve.refined_argmax(values, indices, hidden, weight)
 
 
 def decoder_layers(

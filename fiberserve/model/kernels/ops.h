@@ -50,7 +50,16 @@ at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packe
                                    const at::Tensor& mins, const std::optional<at::Tensor>& bias,
                                    at::ScalarType out_dtype, bool gated, const PrefetchPlan* plan);
 
+// The k largest outputs of each row of quant_linear(x, ...) in float32 (values and indices, as top_k_rows), without
+// writing the product.
+std::tuple<at::Tensor, at::Tensor> quant_linear_top_k(const at::Tensor& x, const at::Tensor& packed,
+                                                      const at::Tensor& scales, const at::Tensor& mins, int64_t k);
+
 void refine_top_logits(at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight, int64_t k);
+
+// The argmax of each row's logits after refine_top_logits(k), from top_k_rows(logits, k + 1) alone.
+at::Tensor refined_argmax(const at::Tensor& values, const at::Tensor& indices, const at::Tensor& hidden,
+                          const at::Tensor& weight);
 
 std::tuple<at::Tensor, at::Tensor> top_k_rows(const at::Tensor& x, int64_t k);
 

@@ -7,6 +7,10 @@
 
 #include <ATen/Parallel.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include <algorithm>
 #include <cstdint>
 #include <utility>
@@ -33,11 +37,18 @@ class PrefetchCursor {
     per_step_ = (lines + tiles - 1) / tiles;
   }
 
-  // The calling thread's share of a plan: its ranges split evenly by index between the region's threads.
+  // The calling thread's share of a plan: its ranges split evenly by index between the region's threads.  The
+  // team's size comes from OpenMP itself: at::get_num_threads() is the pool's size, which a region with fewer
+  // work items than threads does not fill, and inside a region on a worker thread it was measured to return 1
+  // (the worker's share then ran past the plan's end and read garbage lengths: a product that never ended).
   static PrefetchCursor thread_share(const PrefetchPlan* plan, int64_t tiles) {
     if (plan == nullptr || plan->ranges.empty()) return {};
-    const int64_t count = static_cast<int64_t>(plan->ranges.size()), threads = at::get_num_threads(),
-                  thread = at::get_thread_num();
+#ifdef _OPENMP
+    const int64_t threads = omp_get_num_threads();
+#else
+    const int64_t threads = 1;
+#endif
+    const int64_t count = static_cast<int64_t>(plan->ranges.size()), thread = std::min<int64_t>(at::get_thread_num(), threads - 1);
     const ByteRange* ranges = plan->ranges.data();
     return PrefetchCursor(ranges + count * thread / threads, ranges + count * (thread + 1) / threads, tiles);
   }

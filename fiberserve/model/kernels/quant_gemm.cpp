@@ -40,6 +40,7 @@
 
 #include "ops.h"
 #include "prefetch.h"
+#include "top_k.h"
 #include "vec16.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -217,36 +218,115 @@ void column_group(const QuantizedRows& x, int64_t M, const uint8_t* w, int64_t w
   }
 }
 
-template <bool kGated, typename out_t>
-void product(const QuantizedRows& x, int64_t M, const uint8_t* packed, int bits, const c10::Half* d, const c10::Half* m,
-             int64_t column_blocks, const float* bias, out_t* out, const PrefetchPlan* plan) {
-  const int64_t N = (kGated ? column_blocks / 2 : column_blocks) * kBlock, groups = (column_blocks + kCols - 1) / kCols;
-  const int64_t stride = x.K * kBlock * bits / 8, dm_stride = x.blocks * kBlock;  // per column block
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    PrefetchCursor prefetch = PrefetchCursor::thread_share(plan, (end - begin) * (M / kRows));
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t first = g * kCols, count = std::min<int64_t>(kCols, column_blocks - first);
-      // The thread's next column group (weights, scales, mins), pulled into cache during this group's row tiles.
-      const bool last = g + 1 == end;
-      const int64_t next = last ? first : first + kCols, next_count = last ? 0 : std::min(kCols, column_blocks - next);
-      const ByteRange ahead[3] = {{reinterpret_cast<const char*>(packed + next * stride), next_count * stride},
-                                  {reinterpret_cast<const char*>(d + next * dm_stride), next_count * dm_stride * 2},
-                                  {reinterpret_cast<const char*>(m + next * dm_stride), next_count * dm_stride * 2}};
-      PrefetchCursor next_group(ahead, ahead + (next_count == 0 ? 0 : bits == 4 ? 3 : 2), M / kRows);  // Q8_0: no mins
-      const uint8_t* w = packed + first * stride;
-      const c10::Half* dg = d + first * dm_stride;
-      const c10::Half* mg = m + first * dm_stride;
-      const float* bg = bias ? bias + first * kBlock : nullptr;
-      out_t* o = out + (kGated ? g : first) * kBlock;
-      if (kGated || count == 2) {
-        if (bits == 4) column_group<2, true, kGated>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch, next_group);
-        else column_group<2, false, kGated>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch, next_group);
-      } else if constexpr (!kGated) {
-        if (bits == 4) column_group<1, true, false>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch, next_group);
-        else column_group<1, false, false>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch, next_group);
+// The weights of every column group (kCols column blocks: weights, scales and mins) for `body`, the groups split
+// evenly between the threads.  Each thread pulls its next group into cache during the current one's row tiles,
+// and its share of `plan` over all its row tiles.  body(g, w, d, m, prefetch, next_group): group g.
+struct Weights {
+  const uint8_t* packed;
+  int bits;
+  const c10::Half* d;
+  const c10::Half* m;  // null for Q8_0
+  int64_t column_blocks, stride, dm_stride;  // strides per column block
+
+  Weights(const uint8_t* packed, int bits, const c10::Half* d, const c10::Half* m, int64_t column_blocks, int64_t K)
+      : packed(packed), bits(bits), d(d), m(bits == 4 ? m : nullptr), column_blocks(column_blocks),
+        stride(K * kBlock * bits / 8), dm_stride(K / kGroup * kBlock) {}
+
+  int64_t groups() const { return (column_blocks + kCols - 1) / kCols; }
+  int64_t count(int64_t g) const { return std::min<int64_t>(kCols, column_blocks - g * kCols); }
+
+  template <typename Body>
+  void for_each_group(int64_t M, const PrefetchPlan* plan, const Body& body) const {
+    at::parallel_for(0, groups(), 1, [&](int64_t begin, int64_t end) {
+      PrefetchCursor prefetch = PrefetchCursor::thread_share(plan, (end - begin) * (M / kRows));
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t first = g * kCols, next = first + kCols, next_count = g + 1 == end ? 0 : count(g + 1);
+        const ByteRange ahead[3] = {{reinterpret_cast<const char*>(packed + next * stride), next_count * stride},
+                                    {reinterpret_cast<const char*>(d + next * dm_stride), next_count * dm_stride * 2},
+                                    {reinterpret_cast<const char*>(m + next * dm_stride), next_count * dm_stride * 2}};
+        PrefetchCursor next_group(ahead, ahead + (next_count == 0 ? 0 : m ? 3 : 2), M / kRows);
+        body(g, packed + first * stride, d + first * dm_stride, m ? m + first * dm_stride : nullptr, prefetch,
+             next_group);
       }
+    });
+  }
+};
+
+template <bool kGated, typename out_t>
+void product(const QuantizedRows& x, int64_t M, const Weights& weights, const float* bias, out_t* out,
+             const PrefetchPlan* plan) {
+  const int64_t N = (kGated ? weights.column_blocks / 2 : weights.column_blocks) * kBlock;
+  const int64_t stride = weights.stride, dm_stride = weights.dm_stride;
+  weights.for_each_group(M, plan, [&](int64_t g, const uint8_t* w, const c10::Half* dg, const c10::Half* mg,
+                                      PrefetchCursor& prefetch, PrefetchCursor& next_group) {
+    const int64_t first = g * kCols;
+    const float* bg = bias ? bias + first * kBlock : nullptr;
+    out_t* o = out + (kGated ? g : first) * kBlock;
+    if (kGated || weights.count(g) == 2) {
+      if (weights.bits == 4) column_group<2, true, kGated>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch, next_group);
+      else column_group<2, false, kGated>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch, next_group);
+    } else if constexpr (!kGated) {
+      if (weights.bits == 4) column_group<1, true, false>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch, next_group);
+      else column_group<1, false, false>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch, next_group);
     }
   });
+}
+
+// The product's k largest outputs per row, as top_k_rows of the float32 product would find them, without writing
+// the product: each tile's outputs go to a small buffer in L1 and on to the row's running list (TopK) of the
+// thread, and the threads' lists are merged at the end.  For the output head, whose [rows, vocabulary] float32
+// logits (12.6 MB at 64 rows) were written and read back twice (the top-k pass, then the argmax).
+template <int NR, bool kNibbles>
+void column_group_top_k(const QuantizedRows& x, int64_t M, const uint8_t* w, int64_t w_stride, const c10::Half* d,
+                        const c10::Half* m, int64_t dm_stride, int64_t first_output, TopK* lists,
+                        PrefetchCursor& prefetch, PrefetchCursor& next_group) {
+  float buffer[kRows * kCols * kBlock];
+  constexpr int64_t ldo = kCols * kBlock;
+  auto offer = [&](int64_t row0, int rows) {
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < NR; ++c) lists[row0 + r].offer16(load16(buffer + r * ldo + c * kBlock), first_output + c * kBlock);
+  };
+  int64_t r = 0;
+  for (; r + kRows <= M; r += kRows) {
+    tile<kRows, NR, kNibbles, false, float>(x, r, w, w_stride, d, m, dm_stride, nullptr, buffer, ldo);
+    offer(r, kRows);
+    prefetch.step();
+    next_group.step();
+  }
+  switch (M - r) {
+    case 5: tile<5, NR, kNibbles, false, float>(x, r, w, w_stride, d, m, dm_stride, nullptr, buffer, ldo); break;
+    case 4: tile<4, NR, kNibbles, false, float>(x, r, w, w_stride, d, m, dm_stride, nullptr, buffer, ldo); break;
+    case 3: tile<3, NR, kNibbles, false, float>(x, r, w, w_stride, d, m, dm_stride, nullptr, buffer, ldo); break;
+    case 2: tile<2, NR, kNibbles, false, float>(x, r, w, w_stride, d, m, dm_stride, nullptr, buffer, ldo); break;
+    case 1: tile<1, NR, kNibbles, false, float>(x, r, w, w_stride, d, m, dm_stride, nullptr, buffer, ldo); break;
+    default: break;
+  }
+  offer(r, static_cast<int>(M - r));
+}
+
+void product_top_k(const QuantizedRows& x, int64_t M, const Weights& weights, int64_t k, float* values,
+                   int64_t* indices) {
+  const int64_t threads = at::get_num_threads();
+  std::vector<TopK> lists(static_cast<size_t>(threads * M), TopK(k));  // per thread, per row
+  weights.for_each_group(M, nullptr, [&](int64_t g, const uint8_t* w, const c10::Half* dg, const c10::Half* mg,
+                                         PrefetchCursor& prefetch, PrefetchCursor& next_group) {
+    TopK* mine = lists.data() + at::get_thread_num() * M;
+    const int64_t stride = weights.stride, dm_stride = weights.dm_stride, first = g * kCols * kBlock;
+    if (weights.count(g) == 2) {
+      if (weights.bits == 4) column_group_top_k<2, true>(x, M, w, stride, dg, mg, dm_stride, first, mine, prefetch, next_group);
+      else column_group_top_k<2, false>(x, M, w, stride, dg, mg, dm_stride, first, mine, prefetch, next_group);
+    } else {
+      if (weights.bits == 4) column_group_top_k<1, true>(x, M, w, stride, dg, mg, dm_stride, first, mine, prefetch, next_group);
+      else column_group_top_k<1, false>(x, M, w, stride, dg, mg, dm_stride, first, mine, prefetch, next_group);
+    }
+  });
+  // The threads took the groups in order (thread t a range below thread t + 1's), so merging in thread order
+  // keeps equal values in index order.
+  for (int64_t r = 0; r < M; ++r) {
+    TopK merged(k);
+    for (int64_t t = 0; t < threads; ++t) merged.offer_all(lists[t * M + r]);
+    for (int64_t i = 0; i < k; ++i) values[r * k + i] = merged.value(i), indices[r * k + i] = merged.index(i);
+  }
 }
 
 }  // namespace
@@ -258,9 +338,19 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   return quant_linear_prefetching(x, packed, scales, mins, bias, out_dtype, gated, nullptr);
 }
 
-at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                                   const at::Tensor& mins, const std::optional<at::Tensor>& bias,
-                                   at::ScalarType out_dtype, bool gated, const PrefetchPlan* plan) {
+namespace {
+
+// The checked operands of a product: the weights, and the rows of x quantized into the calling thread's scratch
+// buffers, which only grow (no allocation per call, and no zeroing of what a shrink and a regrowth would hand
+// back: every down product after a qkv product).
+struct Operands {
+  at::Tensor w, d, m;
+  Weights weights;
+  QuantizedRows rows;
+  int64_t M;
+};
+
+Operands operands(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "quant_linear: x must be bf16 or float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), blocks = K / kGroup;
@@ -273,11 +363,7 @@ at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packe
   TORCH_CHECK(scales.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf &&
                   scales.numel() == column_blocks * blocks * kBlock && mins.numel() == (bits == 4 ? scales.numel() : 0),
               "quant_linear: scales (and for 4 bits mins) must be float16 [N / 16, K / 32, 16]; 8 bits have no mins");
-  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat, "quant_linear: output is bfloat16 or float32");
   const at::Tensor a = x.contiguous(), w = packed.contiguous(), d = scales.contiguous(), m = mins.contiguous();
-  const at::Tensor b = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  // The quantized rows live in the calling thread's scratch buffers, which only grow: no allocation per call,
-  // and no zeroing of what a shrink and a regrowth would hand back (every down product after a qkv product).
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> dx, sx;
   thread_local std::vector<int32_t> offset;
@@ -292,20 +378,42 @@ at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packe
   } else {
     quantize_rows(a.data_ptr<at::BFloat16>(), M, K, xq.data(), dx.data(), sx.data(), offset.data());
   }
-  const QuantizedRows rows{xq.data(), dx.data(), sx.data(), offset.data(), K, blocks};
+  const Weights weights(w.data_ptr<uint8_t>(), bits, d.data_ptr<c10::Half>(),
+                        bits == 4 ? m.data_ptr<c10::Half>() : nullptr, column_blocks, K);
+  return {w, d, m, weights, {xq.data(), dx.data(), sx.data(), offset.data(), K, blocks}, M};
+}
+
+}  // namespace
+
+at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                                   const at::Tensor& mins, const std::optional<at::Tensor>& bias,
+                                   at::ScalarType out_dtype, bool gated, const PrefetchPlan* plan) {
+  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat, "quant_linear: output is bfloat16 or float32");
+  const Operands op = operands(x, packed, scales, mins);
+  const int64_t column_blocks = op.weights.column_blocks;
   TORCH_CHECK(!gated || column_blocks % kCols == 0, "quant_linear: gated needs output features in multiples of ",
               kCols * kBlock);
-  at::Tensor out = at::empty({M, (gated ? column_blocks / 2 : column_blocks) * kBlock}, x.options().dtype(out_dtype));
+  const at::Tensor b = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  at::Tensor out = at::empty({op.M, (gated ? column_blocks / 2 : column_blocks) * kBlock}, x.options().dtype(out_dtype));
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const c10::Half *dp = d.data_ptr<c10::Half>(), *mp = m.data_ptr<c10::Half>();
-  auto run = [&](auto* op) {
-    if (gated) product<true>(rows, M, wp, bits, dp, mp, column_blocks, bp, op, plan);
-    else product<false>(rows, M, wp, bits, dp, mp, column_blocks, bp, op, plan);
+  auto run = [&](auto* o) {
+    if (gated) product<true>(op.rows, op.M, op.weights, bp, o, plan);
+    else product<false>(op.rows, op.M, op.weights, bp, o, plan);
   };
   if (out_dtype == at::kFloat) run(out.data_ptr<float>());
   else run(out.data_ptr<c10::BFloat16>());
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> quant_linear_top_k(const at::Tensor& x, const at::Tensor& packed,
+                                                      const at::Tensor& scales, const at::Tensor& mins, int64_t k) {
+  const Operands op = operands(x, packed, scales, mins);
+  TORCH_CHECK(k >= 1 && k <= TopK::kMax && k <= op.weights.column_blocks * kBlock,
+              "quant_linear_top_k: k must be in [1, min(64, N)]");
+  at::Tensor values = at::empty({op.M, k}, x.options().dtype(at::kFloat));
+  at::Tensor indices = at::empty({op.M, k}, x.options().dtype(at::kLong));
+  product_top_k(op.rows, op.M, op.weights, k, values.data_ptr<float>(), indices.data_ptr<int64_t>());
+  return {values, indices};
 }
 
 #else
@@ -319,6 +427,11 @@ at::Tensor quant_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&,
 
 at::Tensor quant_linear_prefetching(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                    const std::optional<at::Tensor>&, at::ScalarType, bool, const PrefetchPlan*) {
+  TORCH_CHECK(false, "quant_linear: built without AVX512-VNNI");
+}
+
+std::tuple<at::Tensor, at::Tensor> quant_linear_top_k(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                      const at::Tensor&, int64_t) {
   TORCH_CHECK(false, "quant_linear: built without AVX512-VNNI");
 }
 

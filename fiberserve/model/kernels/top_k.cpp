@@ -8,6 +8,10 @@
 // rounded once.  It replaced four PyTorch ops after top_k_rows, which gathered the candidates' weight rows and
 // materialized [rows, k, hidden] float32 products: 64 rows, k = 16, 49152 x 576 bf16 weights, 1.03-1.12 ->
 // 0.64-0.76 ms, most of it now the top-k pass over the 12.6 MB of logits.
+//
+// refined_argmax is the argmax of those re-scored logits, from k + 1 candidates alone (quant_linear_top_k's, so
+// the logits are never written): the first k re-scored, the last the best of the rest, whose logit stays as it
+// was.  The largest value wins, equal values the lower index, exactly as torch.argmax over the re-scored row.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -15,41 +19,21 @@
 #include <limits>
 
 #include "ops.h"
+#include "top_k.h"
 #include "vec16.h"
 
 namespace fiberserve {
 namespace {
 
-constexpr int64_t kMaxK = 64;
-
-// Whether any lane of a comparison result (0 or -1 per lane) is set.
-inline bool any_lane(i32x16 m) {
-  m |= __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
-  m |= __builtin_shufflevector(m, m, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7);
-  m |= __builtin_shufflevector(m, m, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-  m |= __builtin_shufflevector(m, m, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1);
-  return m[0] != 0;
-}
+constexpr int64_t kMaxK = TopK::kMax;
 
 template <typename scalar_t>
 void top_k_row(const scalar_t* x, int64_t n, int64_t k, float* values, int64_t* indices) {
-  float best[kMaxK];
-  int64_t where[kMaxK];
-  for (int64_t i = 0; i < k; ++i) best[i] = -std::numeric_limits<float>::infinity(), where[i] = -1;
-  auto insert = [&](float value, int64_t index) {  // after the equal values already there
-    if (value != value || (where[k - 1] >= 0 && !(value > best[k - 1]))) return;
-    int64_t i = k - 1;
-    for (; i > 0 && (where[i - 1] < 0 || value > best[i - 1]); --i) best[i] = best[i - 1], where[i] = where[i - 1];
-    best[i] = value, where[i] = index;
-  };
+  TopK top(k);
   int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    const f32x16 v = load16(x + j);
-    if (where[k - 1] >= 0 && !any_lane(v > (f32x16{} + best[k - 1]))) continue;  // the common case
-    for (int l = 0; l < kLanes; ++l) insert(v[l], j + l);
-  }
-  for (; j < n; ++j) insert(static_cast<float>(x[j]), j);
-  for (int64_t i = 0; i < k; ++i) values[i] = best[i], indices[i] = where[i];
+  for (; j + kLanes <= n; j += kLanes) top.offer16(load16(x + j), j);
+  for (; j < n; ++j) top.offer(static_cast<float>(x[j]), j);
+  for (int64_t i = 0; i < k; ++i) values[i] = top.value(i), indices[i] = top.index(i);
 }
 
 typedef double f64x8 __attribute__((vector_size(64)));
@@ -103,6 +87,46 @@ void refine_top_logits(at::Tensor& logits, const at::Tensor& hidden, const at::T
     case at::kBFloat16: run(c10::BFloat16{}); break;
     default: TORCH_CHECK(false, "refine_top_logits: weight must be float32 or bfloat16, not ", w.scalar_type());
   }
+}
+
+at::Tensor refined_argmax(const at::Tensor& values, const at::Tensor& indices, const at::Tensor& hidden,
+                          const at::Tensor& weight) {
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kFloat && indices.scalar_type() == at::kLong &&
+                  indices.sizes() == values.sizes() && values.size(1) >= 2,
+              "refined_argmax: values float32 and indices int64 [rows, k + 1], k >= 1");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.size(0) == values.size(0),
+              "refined_argmax: hidden must be float32 [rows, width]");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == hidden.size(1), "refined_argmax: weight must be [vocab, width]");
+  const at::Tensor v = values.contiguous(), ix = indices.contiguous(), h = hidden.contiguous(), w = weight.contiguous();
+  const int64_t rows = v.size(0), k = v.size(1) - 1, width = h.size(1);
+  at::Tensor picked = at::empty({rows}, ix.options());
+  const float *vp = v.data_ptr<float>(), *hp = h.data_ptr<float>();
+  const int64_t* ip = ix.data_ptr<int64_t>();
+  int64_t* out = picked.data_ptr<int64_t>();
+  auto run = [&](auto zero) {
+    using weight_t = decltype(zero);
+    const weight_t* wp = w.data_ptr<weight_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float* value = vp + r * (k + 1);
+        const int64_t* index = ip + r * (k + 1);
+        int64_t best = index[k];  // the best of the rest, as it stands: its logit is not refined
+        float best_value = value[k];
+        for (int64_t i = 0; i < k && index[i] >= 0; ++i) {
+          const float refined = static_cast<float>(exact_dot(hp + r * width, wp + index[i] * width, width));
+          if (best < 0 || refined > best_value || (refined == best_value && index[i] < best))
+            best = index[i], best_value = refined;
+        }
+        out[r] = best;
+      }
+    });
+  };
+  switch (w.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, "refined_argmax: weight must be float32 or bfloat16, not ", w.scalar_type());
+  }
+  return picked;
 }
 
 std::tuple<at::Tensor, at::Tensor> top_k_rows(const at::Tensor& x, int64_t k) {

@@ -1,0 +1,61 @@
+// A running top-k list, shared by top_k_rows (over a row of logits) and quant_linear_top_k (over a product's
+// outputs as its tiles produce them, so the logits are never written).
+
+#pragma once
+
+#include <cstdint>
+#include <limits>
+
+#include "vec16.h"
+
+namespace fiberserve {
+
+// Whether any lane of a comparison result (0 or -1 per lane) is set.
+inline bool any_lane(i32x16 m) {
+  m |= __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+  m |= __builtin_shufflevector(m, m, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7);
+  m |= __builtin_shufflevector(m, m, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+  m |= __builtin_shufflevector(m, m, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1);
+  return m[0] != 0;
+}
+
+// The k largest values offered so far (k <= kMax), largest first; equal values in the order they were offered,
+// so offering a row's values in index order keeps torch.argmax's first maximum first.  NaN is never kept; an
+// entry not filled has index -1.  Two lists of disjoint index ranges merge by offering the lower range's entries,
+// then the higher's, in list order: the result is the list of the whole range.
+class TopK {
+ public:
+  static constexpr int64_t kMax = 64;
+
+  explicit TopK(int64_t k = 1) : k_(k) {
+    for (int64_t i = 0; i < k_; ++i) value_[i] = -std::numeric_limits<float>::infinity(), index_[i] = -1;
+  }
+
+  void offer(float value, int64_t index) {  // after the equal values already there
+    if (value != value || (index_[k_ - 1] >= 0 && !(value > value_[k_ - 1]))) return;
+    int64_t i = k_ - 1;
+    for (; i > 0 && (index_[i - 1] < 0 || value > value_[i - 1]); --i) value_[i] = value_[i - 1], index_[i] = index_[i - 1];
+    value_[i] = value, index_[i] = index;
+  }
+
+  // 16 values with consecutive indices from `first`: only the rare lanes above the k-th best are offered.
+  void offer16(f32x16 values, int64_t first) {
+    if (index_[k_ - 1] >= 0 && !any_lane(values > (f32x16{} + value_[k_ - 1]))) return;  // the common case
+    for (int l = 0; l < kLanes; ++l) offer(values[l], first + l);
+  }
+
+  void offer_all(const TopK& other) {
+    for (int64_t i = 0; i < other.k_ && other.index_[i] >= 0; ++i) offer(other.value_[i], other.index_[i]);
+  }
+
+  int64_t k() const { return k_; }
+  float value(int64_t i) const { return value_[i]; }
+  int64_t index(int64_t i) const { return index_[i]; }
+
+ private:
+  int64_t k_;
+  float value_[kMax];
+  int64_t index_[kMax];
+};
+
+}  // namespace fiberserve
