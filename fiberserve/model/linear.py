@@ -83,6 +83,13 @@ class Linear:
         extension's ``bf16_linear`` (no scales or mins), else None."""
         return (self.weight, None, None, self.bias) if self.bf16_kernel else None
 
+    def top_k(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The ``k`` largest outputs of each row of the float32 product, as :func:`.kernels.top_k_rows` would pick
+        them, without writing the product (``bf16_linear``, no bias); None elsewhere."""
+        if not self.bf16_kernel or self.bias is not None:
+            return None
+        return kernels.bf16_linear_top_k(x, self.weight, k)
+
     def __call__(self, x: torch.Tensor, wide: bool = False, gated: bool = False) -> torch.Tensor:
         """``wide=True`` asks for a float32 result where the kernel gives one unrounded (``bf16_linear``);
         elsewhere the result is in ``x``'s dtype either way.  ``gated=True`` (``bf16_linear`` only): see

@@ -335,32 +335,32 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Run the flat batch, write its K/V into ``cache``, return float32 logits [R, vocab]."""
-        h = self._final_hidden(batch, cache)
-        logits = self.logits(h.to(self.dtype), wide=True).float()  # float32 straight from the CPU kernels
-        if self.dtype != torch.float32:
-            self._refine_top(logits, h)
-        return logits
+        return self._logits(self._final_hidden(batch, cache))
 
     @torch.inference_mode()
     def greedy(self, batch: ForwardBatch, cache: KVCache) -> list[int]:
         """:meth:`forward`, then the argmax of each row (the first maximum): the same tokens.
 
-        Where the head is the extension's ``quant_linear``, its kernel keeps each row's top candidates as its
-        tiles produce them (``quant_linear_top_k``), and the argmax is taken over those once re-scored
-        (:func:`.kernels.refined_argmax`): the [R, vocab] float32 logits are never written nor read back
-        (64 rows: 12.6 MB written, then read by the re-scoring's top-k pass and again by the argmax)."""
+        Where the head is one of the extension's products, its kernel keeps each row's top candidates as its tiles
+        produce them (``bf16_linear_top_k``, ``quant_linear_top_k``), and the argmax is taken over those once
+        re-scored (:func:`.kernels.refined_argmax`): the [R, vocab] float32 logits are never written nor read
+        back (64 rows: 12.6 MB written, then read by the re-scoring's top-k pass and again by the argmax)."""
         h = self._final_hidden(batch, cache)
         k = REFINED_LOGITS + 1  # the re-scored candidates and the best of the rest
-        if isinstance(self.logits, QuantLinear) and self.dtype != torch.float32 and k < self.config.vocab_size:
+        if self.dtype != torch.float32 and k < self.config.vocab_size:
             top = self.logits.top_k(h.to(self.dtype), k)
             if top is not None:
                 picked = kernels.refined_argmax(*top, h, self.lm_head)
                 if bool((picked >= 0).all()):  # else a row of NaN: argmax_rows below decides as forward's caller would
                     return picked.tolist()
-        logits = self.logits(h.to(self.dtype), wide=True).float()
+        return argmax_rows(self._logits(h))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The head over the final hidden states: float32 [R, vocab], the top candidates re-scored exactly."""
+        logits = self.logits(h.to(self.dtype), wide=True).float()  # float32 straight from the CPU kernels
         if self.dtype != torch.float32:
             self._refine_top(logits, h)
-        return argmax_rows(logits)
+        return logits
 
     def _final_hidden(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """The decoder layers over the batch (K/V written into ``cache``), then the final norm of the rows whose

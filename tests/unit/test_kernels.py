@@ -325,3 +325,23 @@ def test_refined_argmax_is_the_argmax_of_the_refined_logits(weight_dtype):
     assert torch.equal(picked, expected) and picked[3] == -1
     rest = kernels.top_k_rows(logits, k + 1)[1][:, k]
     assert bool((picked == rest).any()) and bool((picked != rest).any())
+
+
+@pytest.mark.skipif(not kernels.bf16_gemm_available(), reason="this CPU has no AVX512-BF16")
+def test_bf16_linear_top_k_is_top_k_rows_of_the_product_bit_for_bit():
+    """As for quant_linear_top_k: one row tile (the column split) and several (the (group, row tile) split), with
+    outputs 5 and 300 tied in every row."""
+    torch.manual_seed(12)
+    weight = torch.randn(400, 96).bfloat16()
+    weight[300] = weight[5] = weight[5].abs()
+    packed = kernels.bf16_pack(weight)
+    x = torch.randn(13, 96).bfloat16()
+    x[:, :] = x.abs()  # the tied outputs rank high
+    for rows in (1, 6, 13):
+        product = kernels.bf16_linear(x[:rows], packed, None, torch.float32)
+        for k in (1, 17, 64):
+            values, indices = kernels.bf16_linear_top_k(x[:rows], packed, k)
+            expected_values, expected_indices = kernels.top_k_rows(product, k)
+            assert torch.equal(values, expected_values) and torch.equal(indices, expected_indices)
+    order = kernels.bf16_linear_top_k(x, packed, 64)[1].tolist()
+    assert all(row.index(5) < row.index(300) for row in order)

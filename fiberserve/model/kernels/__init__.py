@@ -216,6 +216,12 @@ def quant_linear(
     return torch.ops.fiberserve.quant_linear(x, packed, scales, mins, bias, out_dtype, gated)
 
 
+def bf16_linear_top_k(x: torch.Tensor, packed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``top_k_rows(bf16_linear(x, packed, None, torch.float32), k)``, the same values and indices, without writing
+    the product: each row's running top ``k`` is kept as the tiles produce its outputs."""
+    return torch.ops.fiberserve.bf16_linear_top_k(x, packed, k)
+
+
 def quant_linear_top_k(
     x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

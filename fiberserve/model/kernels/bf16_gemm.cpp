@@ -14,9 +14,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "ops.h"
 #include "prefetch.h"
+#include "top_k.h"
 #include "vec16.h"
 
 #if defined(__AVX512BF16__)
@@ -155,6 +157,40 @@ void product(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, int64
   });
 }
 
+// The product's k largest outputs per row, as top_k_rows of the float32 product would find them, without writing
+// the product (see quant_linear_top_k): the same (column group, row tile) units as product(), each computed into
+// a thread's scratch of [rows, 64] and offered to the rows' running lists.  For a row, one thread's units all
+// lie below the next thread's in column order, so merging the lists in thread order keeps ties in index order.
+void product_top_k(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t blocks, int64_t k,
+                   float* values, int64_t* indices) {
+  const int64_t block_stride = K * kBlock, row_tiles = (M + kRows - 1) / kRows, groups = (blocks + kCols - 1) / kCols;
+  const int64_t threads = at::get_num_threads();
+  std::vector<TopK> lists(static_cast<size_t>(threads * M), TopK(k));  // per thread, per row
+  at::parallel_for(0, groups * row_tiles, 1, [&](int64_t begin, int64_t end) {
+    TopK* mine = lists.data() + at::get_thread_num() * M;
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < static_cast<size_t>(M * kCols * kBlock)) scratch.resize(static_cast<size_t>(M * kCols * kBlock));
+    PrefetchCursor none;
+    for (int64_t unit = begin; unit < end;) {
+      const int64_t g = unit / row_tiles, tile0 = unit % row_tiles;
+      const int64_t tile1 = std::min(row_tiles, tile0 + (end - unit));
+      const int64_t r0 = tile0 * kRows, r1 = std::min(M, tile1 * kRows), first = g * kCols;
+      const int64_t count = std::min<int64_t>(kCols, blocks - first);
+      blocks_of<false>(xp + r0 * K, r1 - r0, K, wp + first * block_stride, K, count, nullptr, scratch.data(),
+                       kCols * kBlock, none);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = 0; c < count; ++c)
+          mine[r].offer16(load16(scratch.data() + (r - r0) * kCols * kBlock + c * kBlock), (first + c) * kBlock);
+      unit += tile1 - tile0;
+    }
+  });
+  for (int64_t r = 0; r < M; ++r) {
+    TopK merged(k);
+    for (int64_t t = 0; t < threads; ++t) merged.offer_all(lists[t * M + r]);
+    for (int64_t i = 0; i < k; ++i) values[r * k + i] = merged.value(i), indices[r * k + i] = merged.index(i);
+  }
+}
+
 }  // namespace
 
 bool bf16_gemm_available() { return true; }
@@ -194,6 +230,20 @@ at::Tensor bf16_linear_prefetching(const at::Tensor& x, const at::Tensor& packed
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> bf16_linear_top_k(const at::Tensor& x, const at::Tensor& packed, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16_linear_top_k: x must be bf16 [M, K]");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x.size(1), "bf16_linear_top_k: weight not packed for this K");
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
+  TORCH_CHECK(k >= 1 && k <= TopK::kMax && k <= blocks * kBlock, "bf16_linear_top_k: k must be in [1, min(64, N)]");
+  const at::Tensor a = x.contiguous();
+  at::Tensor values = at::empty({M, k}, x.options().dtype(at::kFloat));
+  at::Tensor indices = at::empty({M, k}, x.options().dtype(at::kLong));
+  product_top_k(reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()), M, K,
+                reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), blocks, k,
+                values.data_ptr<float>(), indices.data_ptr<int64_t>());
+  return {values, indices};
+}
+
 #else
 
 bool bf16_gemm_available() { return false; }
@@ -206,6 +256,10 @@ at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, const std::optional
 
 at::Tensor bf16_linear_prefetching(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                    at::ScalarType, bool, const PrefetchPlan*) {
+  TORCH_CHECK(false, "bf16_linear: built without AVX512-BF16");
+}
+
+std::tuple<at::Tensor, at::Tensor> bf16_linear_top_k(const at::Tensor&, const at::Tensor&, int64_t) {
   TORCH_CHECK(false, "bf16_linear: built without AVX512-BF16");
 }
 

@@ -20,6 +20,7 @@ TORCH_LIBRARY(fiberserve, m) {
   m.def("top_k_rows(Tensor x, int k) -> (Tensor, Tensor)");
   m.def("refine_top_logits(Tensor(a!) logits, Tensor hidden, Tensor weight, int k) -> ()");
   m.def("refined_argmax(Tensor values, Tensor indices, Tensor hidden, Tensor weight) -> Tensor");
+  m.def("bf16_linear_top_k(Tensor x, Tensor packed, int k) -> (Tensor, Tensor)");
   m.def("quant_linear_top_k(Tensor x, Tensor packed, Tensor scales, Tensor mins, int k) -> (Tensor, Tensor)");
   m.def(
       "quant_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor? bias, ScalarType out_dtype, "
@@ -49,5 +50,6 @@ TORCH_LIBRARY_IMPL(fiberserve, CPU, m) {
   m.impl("refine_top_logits", &fiberserve::refine_top_logits);
   m.impl("refined_argmax", &fiberserve::refined_argmax);
   m.impl("quant_linear_top_k", &fiberserve::quant_linear_top_k);
+  m.impl("bf16_linear_top_k", &fiberserve::bf16_linear_top_k);
   m.impl("decoder_layers", &fiberserve::decoder_layers);
 }

@@ -50,6 +50,10 @@ at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packe
                                    const at::Tensor& mins, const std::optional<at::Tensor>& bias,
                                    at::ScalarType out_dtype, bool gated, const PrefetchPlan* plan);
 
+// The k largest outputs of each row of bf16_linear(x, packed, none, float32) (values and indices, as top_k_rows),
+// without writing the product.
+std::tuple<at::Tensor, at::Tensor> bf16_linear_top_k(const at::Tensor& x, const at::Tensor& packed, int64_t k);
+
 // The k largest outputs of each row of quant_linear(x, ...) in float32 (values and indices, as top_k_rows), without
 // writing the product.
 std::tuple<at::Tensor, at::Tensor> quant_linear_top_k(const at::Tensor& x, const at::Tensor& packed,
