@@ -18,6 +18,7 @@
 
 #include "ops.h"
 #include "prefetch.h"
+#include "row_tiles.h"
 #include "top_k.h"
 #include "vec16.h"
 
@@ -49,9 +50,9 @@ inline __m512 stored(__m512 y, const float*) { return y; }
 
 // MR rows x NR blocks.  kGated: the first NR / 2 blocks are gate outputs and the others the matching up outputs
 // (see GateUp in linear.py); the tile writes silu(gate) * up, NR / 2 blocks, each input rounded to out_t first as
-// a separate product and silu_mul would see it.
+// a separate product and silu_mul would see it.  Kept out of line, as in quant_gemm.cpp.
 template <int MR, int NR, bool kGated, typename out_t>
-inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pairs, int64_t block_stride,
+[[gnu::noinline]] void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pairs, int64_t block_stride,
                  const float* bias, out_t* out, int64_t ldo) {
   __m512 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
@@ -78,25 +79,16 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pair
                 silu_times((f32x16)stored(acc[r][c], out), (f32x16)stored(acc[r][c + NR / 2], out)));
 }
 
-// All rows against NR blocks: full tiles of kRows rows, then one tile of the remaining rows.
+// All rows against NR blocks, a row tile at a time.
 template <int NR, bool kGated, typename out_t>
 void column_group(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t pairs,
                   int64_t block_stride, const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch) {
-  int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows) {
-    tile<kRows, NR, kGated, out_t>(x + r * ldx, ldx, w, pairs, block_stride, bias, out + r * ldo, ldo);
-    prefetch.step();
-  }
-  const uint16_t* xr = x + r * ldx;
-  out_t* o = out + r * ldo;
-  switch (rows - r) {
-    case 5: tile<5, NR, kGated, out_t>(xr, ldx, w, pairs, block_stride, bias, o, ldo); break;
-    case 4: tile<4, NR, kGated, out_t>(xr, ldx, w, pairs, block_stride, bias, o, ldo); break;
-    case 3: tile<3, NR, kGated, out_t>(xr, ldx, w, pairs, block_stride, bias, o, ldo); break;
-    case 2: tile<2, NR, kGated, out_t>(xr, ldx, w, pairs, block_stride, bias, o, ldo); break;
-    case 1: tile<1, NR, kGated, out_t>(xr, ldx, w, pairs, block_stride, bias, o, ldo); break;
-    default: break;
-  }
+  for_each_row_tile<kRows>(
+      0, rows,
+      [&](auto height, int64_t r) {
+        tile<decltype(height)::value, NR, kGated, out_t>(x + r * ldx, ldx, w, pairs, block_stride, bias, out + r * ldo, ldo);
+      },
+      [&] { prefetch.step(); });
 }
 
 // Rows [0, rows) against `count` blocks: column groups of up to kCols blocks (gated: whole groups, each writing
@@ -184,11 +176,7 @@ void product_top_k(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp,
       unit += tile1 - tile0;
     }
   });
-  for (int64_t r = 0; r < M; ++r) {
-    TopK merged(k);
-    for (int64_t t = 0; t < threads; ++t) merged.offer_all(lists[t * M + r]);
-    for (int64_t i = 0; i < k; ++i) values[r * k + i] = merged.value(i), indices[r * k + i] = merged.index(i);
-  }
+  merge_in_thread_order(lists, M, values, indices);
 }
 
 }  // namespace

@@ -1,10 +1,12 @@
-// A running top-k list, shared by top_k_rows (over a row of logits) and quant_linear_top_k (over a product's
-// outputs as its tiles produce them, so the logits are never written).
+// A running top-k list, shared by top_k_rows (over a row of logits) and the products' top-k kernels
+// (quant_linear_top_k, bf16_linear_top_k: over a product's outputs as its tiles produce them, so the logits are
+// never written).
 
 #pragma once
 
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "vec16.h"
 
@@ -57,5 +59,17 @@ class TopK {
   float value_[kMax];
   int64_t index_[kMax];
 };
+
+// lists: [threads][M] running lists of each thread's offers for each row, thread t's indices all below thread
+// t + 1's.  Writes each row's merged top k (values, indices [M, k]): merged in thread order, so equal values stay
+// in index order.
+inline void merge_in_thread_order(const std::vector<TopK>& lists, int64_t M, float* values, int64_t* indices) {
+  const int64_t threads = M > 0 ? static_cast<int64_t>(lists.size()) / M : 0, k = lists.empty() ? 0 : lists[0].k();
+  for (int64_t r = 0; r < M; ++r) {
+    TopK merged(k);
+    for (int64_t t = 0; t < threads; ++t) merged.offer_all(lists[t * M + r]);
+    for (int64_t i = 0; i < k; ++i) values[r * k + i] = merged.value(i), indices[r * k + i] = merged.index(i);
+  }
+}
 
 }  // namespace fiberserve

@@ -1,0 +1,35 @@
+// Rows in tiles of a compile-time height, for the products' kernels (bf16_gemm.cpp, quant_gemm.cpp): a tile's
+// height is a template parameter, so its accumulators live in registers, and the last tile of a product takes
+// whatever rows are left.
+
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+namespace fiberserve {
+
+namespace detail {
+
+template <int kHeight, typename Tile>
+inline void last_tile(int64_t rows, int64_t r, const Tile& tile) {
+  if constexpr (kHeight > 0) {
+    if (rows == kHeight) return tile(std::integral_constant<int, kHeight>{}, r);
+    last_tile<kHeight - 1>(rows, r, tile);
+  }
+}
+
+}  // namespace detail
+
+// Rows [r, end) as tiles of kRows rows and one last tile of the 1..kRows-1 rows left (if any):
+// tile(std::integral_constant<int, height>{}, first_row) for each, and after_full() after each full tile.
+template <int kRows, typename Tile, typename AfterFull>
+inline void for_each_row_tile(int64_t r, int64_t end, const Tile& tile, const AfterFull& after_full) {
+  for (; r + kRows <= end; r += kRows) {
+    tile(std::integral_constant<int, kRows>{}, r);
+    after_full();
+  }
+  detail::last_tile<kRows - 1>(end - r, r, tile);
+}
+
+}  // namespace fiberserve
