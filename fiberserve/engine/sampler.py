@@ -1,9 +1,9 @@
-"""Turning logits into next tokens: penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Turning logits into next tokens: logit bias, penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
 
 Each row is processed on its own with the sequence's own ``torch.Generator``,
 so a seeded request samples the same tokens alone or inside any batch.
 Logprobs are those of the model's raw distribution (before temperature and
-truncation), as vLLM and SGLang report them.
+truncation, and before bias and penalties), as vLLM and SGLang report them.
 """
 
 from __future__ import annotations
@@ -15,8 +15,12 @@ from fiberserve.engine.sequence import Sequence, TokenLogprob
 from fiberserve.model.llama import argmax_rows
 
 
-def _apply_penalties(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """``row`` (a copy) with the request's logit bias added, then its penalties applied (vLLM's order)."""
     p = seq.params
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+        row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(seq.tokens)), dtype=torch.long)
         values = row[seen]
@@ -49,14 +53,14 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenL
     logits = logits.cpu()  # per-sequence generators live on the CPU
     want_logprobs = any(s.params.logprobs or s.params.top_logprobs for s in seqs)
     log_probs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-    if all(s.params.greedy and not s.params.needs_penalties for s in seqs):
+    if all(s.params.greedy and not s.params.adjusts_logits for s in seqs):
         chosen = argmax_rows(logits)
     else:
         chosen = []
         for i, seq in enumerate(seqs):
             row = logits[i]
-            if seq.params.needs_penalties:
-                row = _apply_penalties(row.clone(), seq)
+            if seq.params.adjusts_logits:
+                row = _adjust(row.clone(), seq)
             if seq.params.greedy:
                 chosen.append(int(row.argmax()))
             else:

@@ -35,6 +35,8 @@ class SamplingParams:
     #: How many top alternatives to report per position (0 = none).
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    #: Added to the logits of these token ids before penalties and sampling (OpenAI's ``logit_bias``).
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:
@@ -45,9 +47,15 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @property
+    def adjusts_logits(self) -> bool:
+        """The logits are changed before a token is picked (a bias or a penalty)."""
+        return bool(self.logit_bias) or self.needs_penalties
+
+    @property
     def argmax_only(self) -> bool:
-        """The next token is the logits' argmax and nothing else of them is needed (no penalties, no logprobs)."""
-        return self.greedy and not self.needs_penalties and not (self.logprobs or self.top_logprobs)
+        """The next token is the raw logits' argmax and nothing else of them is needed (no bias, no penalties,
+        no logprobs)."""
+        return self.greedy and not self.adjusts_logits and not (self.logprobs or self.top_logprobs)
 
     def validate(self, max_n: int = 16, vocab_size: int | None = None) -> SamplingParams:
         """Raise :class:`InvalidParameter` naming the first bad field; return self."""
@@ -68,6 +76,11 @@ class SamplingParams:
                 "at most 16 non-empty strings",
             ),
             ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be in [0, 2**63)"),
+            (
+                "logit_bias",
+                len(self.logit_bias) <= 300 and all(-100 <= b <= 100 for b in self.logit_bias.values()),
+                "at most 300 entries, each bias in [-100, 100]",
+            ),
         ]
         if vocab_size is not None:
             checks.append(
@@ -76,6 +89,9 @@ class SamplingParams:
                     all(0 <= t < vocab_size for t in self.stop_token_ids),
                     f"ids must be in [0, {vocab_size})",
                 )
+            )
+            checks.append(
+                ("logit_bias", all(0 <= t < vocab_size for t in self.logit_bias), f"ids must be in [0, {vocab_size})")
             )
         for name, ok, message in checks:
             if not ok:

@@ -41,9 +41,9 @@ class Tokenizer:
             raise ValueError("this model has no chat template; use /v1/completions or /generate")
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         # The rendered template carries its own special tokens: add none twice.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
     def detokenizer(self, prompt_ids: list[int] | None = None) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids or [])

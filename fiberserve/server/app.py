@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fiberserve.config import ServerConfig
 from fiberserve.engine import LlmService
-from fiberserve.server import native_api, openai_api
+from fiberserve.server import native_api, openai_api, tokenize_api
 from fiberserve.server.errors import (
     ApiError,
     handle_api_error,
@@ -51,6 +51,7 @@ def create_app(config: ServerConfig, service: LlmService | None = None) -> FastA
     app.state.fiberserve = state
     app.include_router(native_api.router)
     app.include_router(openai_api.router)
+    app.include_router(tokenize_api.router)
     app.add_exception_handler(ApiError, handle_api_error)
     app.add_exception_handler(RequestValidationError, handle_validation_error)
     app.add_exception_handler(Exception, handle_unexpected)

@@ -7,7 +7,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -62,13 +61,6 @@ async def models(request: Request) -> dict:
             }
         ],
     }
-
-
-def _check_model(state: ServerState, model: str | None) -> None:
-    if model and model != state.model_name:
-        raise ApiError(
-            404, f"model {model!r} is not served here; try {state.model_name!r}", "model", kind="not_found_error"
-        )
 
 
 def _completion_logprobs(state: ServerState, lps: list[TokenLogprob]) -> dict:
@@ -196,9 +188,9 @@ class _ChatCompletions(_Completions):
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = _state(request)
     state.ready_service()
-    _check_model(state, body.model)
-    if body.echo:
-        raise ApiError(400, "echo is not supported", "echo")
+    state.check_model(body.model)
+    if refused := body.unsupported():
+        raise from_engine(refused, _OPENAI_NAMES)
     prompt = body.prompt
     if isinstance(prompt, str):
         prompts = [state.encode(prompt, "prompt")]
@@ -225,16 +217,15 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = _state(request)
-    service = state.ready_service()
-    _check_model(state, body.model)
+    state.ready_service()
+    state.check_model(body.model)
+    if refused := body.unsupported():
+        raise from_engine(refused, _CHAT_NAMES)
+    prompt = state.encode_chat(body.messages)
     try:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = service.tokenizer.encode_chat(messages)
         params = body.params()
     except InvalidParameter as exc:
         raise from_engine(exc, _CHAT_NAMES) from None
-    except (ValueError, jinja2.TemplateError) as exc:  # no chat template, or it refused the messages
-        raise ApiError(400, f"messages: {exc}", "messages") from None
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await _serve(
         request, state, [prompt], params, _CHAT_NAMES, body.stream, include_usage, _ChatCompletions(params.logprobs)

@@ -35,10 +35,12 @@ class SamplingFields(Lenient):
     ignore_eos: StrictBool | None = None
     n: Int | None = None
     seed: Int | None = None
+    logit_bias: dict[str, Float] | None = None  # token id (a JSON key, so a string) -> bias
 
     def shared_values(self) -> dict[str, Any]:
         values = {name: getattr(self, name) for name in SamplingFields.model_fields}
         values["stop"] = _stops(self.stop)
+        values["logit_bias"] = _token_biases(self.logit_bias)
         return values
 
 
@@ -53,6 +55,15 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     if stop is None:
         return []
     return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _token_biases(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise InvalidParameter("logit_bias", "keys must be token ids") from None
 
 
 def build_params(defaults: dict[str, Any], **given: Any) -> SamplingParams:
@@ -113,7 +124,20 @@ class CompletionRequest(OpenAICommon):
     prompt: str | list[str] | list[Int] | list[list[Int]]
     max_tokens: Int | None = None
     logprobs: Int | None = None
+    # Accepted so that asking for them is refused by name rather than silently ignored (see `unsupported`).
     echo: StrictBool | None = None
+    suffix: str | None = None
+    best_of: Int | None = None
+
+    def unsupported(self) -> InvalidParameter | None:
+        """The first option set here that this server does not implement, as the error to answer with."""
+        if self.echo:
+            return InvalidParameter("echo", "is not supported")
+        if self.suffix:
+            return InvalidParameter("suffix", "is not supported")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            return InvalidParameter("best_of", "only best_of == n is supported")
+        return None
 
     def params(self) -> SamplingParams:
         return self._params(self.max_tokens, self.logprobs is not None, self.logprobs or None)
@@ -132,13 +156,47 @@ class ChatMessage(Lenient):
         return self.content or ""
 
 
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as a chat template takes them."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
 class ChatCompletionRequest(OpenAICommon):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
     logprobs: StrictBool | None = None
     top_logprobs: Int | None = None
+    # Accepted so that asking for them is refused by name rather than silently ignored (see `unsupported`).
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    def unsupported(self) -> InvalidParameter | None:
+        """The first option set here that this server does not implement, as the error to answer with."""
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return InvalidParameter("response_format", "only type 'text' is supported (no guided decoding)")
+        if self.tools and self.tool_choice != "none":
+            return InvalidParameter("tools", "tool calling is not supported (tool_choice 'none' ignores the tools)")
+        return None
 
     def params(self) -> SamplingParams:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._params(limit, bool(self.logprobs), self.top_logprobs if self.logprobs else None)
+
+
+class TokenizeRequest(Lenient):
+    """vLLM's ``POST /tokenize``: a prompt, or chat messages rendered by the model's chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+
+class DetokenizeRequest(Lenient):
+    """vLLM's ``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[Int]

@@ -8,12 +8,14 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import jinja2
 from fastapi import Request as HttpRequest
 
 from fiberserve.config import ServerConfig
-from fiberserve.engine import LlmService, Request, RequestOutput, SamplingParams
+from fiberserve.engine import InvalidParameter, LlmService, Request, RequestOutput, SamplingParams
 from fiberserve.engine.sequence import Sequence, SequenceEvent
 from fiberserve.server.errors import ApiError, from_engine
+from fiberserve.server.protocol import ChatMessage, chat_messages
 
 T = TypeVar("T")
 #: How often a stream with nothing to send checks whether its client is still there.
@@ -51,10 +53,26 @@ class ServerState:
             raise ApiError(503, message, kind="unavailable", headers={"Retry-After": "1"})
         return self.service
 
+    def check_model(self, model: str | None) -> None:
+        """A request naming another model than the one served is refused (404), as vLLM does."""
+        if model and model != self.model_name:
+            raise ApiError(
+                404, f"model {model!r} is not served here; try {self.model_name!r}", "model", kind="not_found_error"
+            )
+
     def encode(self, text: str, field: str) -> list[int]:
         if not text:
             raise ApiError(400, f"{field}: must not be empty", field)
         return self.ready_service().tokenizer.encode(text)
+
+    def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        """The prompt of a chat, rendered by the model's template; 400 naming ``messages`` if it cannot be."""
+        try:
+            return self.ready_service().tokenizer.encode_chat(chat_messages(messages), add_generation_prompt)
+        except InvalidParameter as exc:  # a content part that is not text
+            raise ApiError(400, str(exc), exc.field) from None
+        except (ValueError, jinja2.TemplateError) as exc:  # no chat template, or it refused the messages
+            raise ApiError(400, f"messages: {exc}", "messages") from None
 
     def submit(
         self,

@@ -219,6 +219,60 @@ def test_openai_client_models_completions_and_chat(server):
     server.assert_idle()
 
 
+def test_openai_logit_bias_steers_the_tokens_and_logprobs_stay_raw(server, tokenizer):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, logprobs=2)
+    (first, first_lp), (second, second_lp) = plain.choices[0].logprobs.top_logprobs[0].items()
+    assert first == " Paris" and first_lp > second_lp
+    [second_id] = tokenizer.encode(second)
+
+    banned = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=1,
+        temperature=0,
+        logprobs=2,
+        logit_bias={str(tokenizer.encode(first)[0]): -100},
+    )
+    assert banned.choices[0].text == second
+    assert banned.choices[0].logprobs.token_logprobs[0] == pytest.approx(second_lp, abs=1e-5)  # before the bias
+
+    [forced_id] = tokenizer.encode(" London")
+    forced = client.completions.create(
+        model=model, prompt=prompt, max_tokens=3, temperature=1.0, seed=3, logit_bias={str(forced_id): 100}
+    )
+    assert forced.choices[0].text == " London" * 3
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        temperature=0,
+        logit_bias={str(second_id): 100},
+    )
+    assert chat.choices[0].message.content == second * 2
+    server.assert_idle()
+
+
+def test_tokenize_and_detokenize_agree_with_what_generation_uses(server, tokenizer):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    with server.client() as c:
+        prompt = c.post("/tokenize", json={"prompt": "The capital of France is"}).json()
+        assert prompt == {"count": 5, "max_model_len": 8192, "tokens": tokenizer.encode("The capital of France is")}
+        assert c.post("/detokenize", json={"tokens": prompt["tokens"]}).json() == {"prompt": "The capital of France is"}
+        chat = c.post("/tokenize", json={"messages": messages}).json()
+        served = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+        assert chat["count"] == len(chat["tokens"]) == served["usage"]["prompt_tokens"]
+        text = c.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+        assert text.endswith("What is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+        bare = c.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+        assert chat["tokens"][: bare["count"]] == bare["tokens"] and bare["count"] < chat["count"]
+    server.assert_idle()
+
+
 SGL_PROGRAM = """
 import json, sys
 import sglang as sgl

@@ -1,0 +1,46 @@
+"""vLLM's ``/tokenize`` and ``/detokenize``: the token ids the server would feed the model, and back.
+
+Clients use them to count a prompt's tokens against the context length before sending it.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from fiberserve.server.errors import ApiError
+from fiberserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from fiberserve.server.state import ServerState
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.fiberserve
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    """``{"count", "max_model_len", "tokens"}`` for ``prompt`` (as ``/v1/completions`` encodes it) or for
+    ``messages`` (as ``/v1/chat/completions`` renders and encodes them)."""
+    state = _state(request)
+    service = state.ready_service()
+    state.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "prompt: give either a prompt or messages", "prompt")
+    if body.messages is None:
+        tokens = service.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    else:
+        tokens = state.encode_chat(body.messages, body.add_generation_prompt)
+    return {"count": len(tokens), "max_model_len": service.max_context, "tokens": tokens}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    """``{"prompt"}``: the text of ``tokens``, special tokens included."""
+    state = _state(request)
+    service = state.ready_service()
+    state.check_model(body.model)
+    vocab = service.tokenizer.vocab_size
+    if not all(0 <= t < vocab for t in body.tokens):
+        raise ApiError(400, f"tokens: ids must be in [0, {vocab})", "tokens")
+    return {"prompt": service.tokenizer.decode(body.tokens, skip_special_tokens=False)}
