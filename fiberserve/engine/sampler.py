@@ -1,4 +1,5 @@
-"""Turning logits into next tokens: logit bias, penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Turning logits into next tokens: minimum lengths, logit bias, penalties, temperature, top-k, top-p, min-p,
+seeds, logprobs.
 
 Each row is processed on its own with the sequence's own ``torch.Generator``,
 so a seeded request samples the same tokens alone or inside any batch.
@@ -16,8 +17,11 @@ from fiberserve.model.llama import argmax_rows
 
 
 def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    """``row`` (a copy) with the request's logit bias added, then its penalties applied (vLLM's order)."""
+    """``row`` (a copy) with the stop tokens banned below ``min_new_tokens``, the request's logit bias added,
+    then its penalties applied (vLLM's order)."""
     p = seq.params
+    if len(seq.output_ids) < p.min_new_tokens and seq.stop_ids:
+        row[torch.tensor(sorted(seq.stop_ids), dtype=torch.long)] = float("-inf")
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
         row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)

@@ -18,6 +18,8 @@ class SamplingParams:
     """What to generate and how to pick each token (vLLM / SGLang semantics)."""
 
     max_new_tokens: int = 128
+    #: No stop token nor stop string ends the output before this many tokens (vLLM's ``min_tokens``).
+    min_new_tokens: int = 0
     temperature: float = 1.0
     top_k: int = -1  #: -1 (or 0) = off
     top_p: float = 1.0
@@ -48,8 +50,8 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """The logits are changed before a token is picked (a bias or a penalty)."""
-        return bool(self.logit_bias) or self.needs_penalties
+        """The logits are changed before a token is picked (a bias, a penalty, stop tokens banned)."""
+        return bool(self.logit_bias) or self.needs_penalties or self.min_new_tokens > 0
 
     @property
     def argmax_only(self) -> bool:
@@ -61,6 +63,7 @@ class SamplingParams:
         """Raise :class:`InvalidParameter` naming the first bad field; return self."""
         checks = [
             ("max_new_tokens", self.max_new_tokens >= 0, "must be >= 0"),
+            ("min_new_tokens", 0 <= self.min_new_tokens <= self.max_new_tokens, "must be in [0, the token limit]"),
             ("temperature", self.temperature >= 0, "must be >= 0"),
             ("top_k", self.top_k == -1 or self.top_k >= 0, "must be -1 (off) or >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),

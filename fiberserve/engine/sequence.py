@@ -121,7 +121,7 @@ def _release_text(seq: Sequence, piece: str, final: bool) -> str:
     pending = seq.held + piece
     start = len(seq.text)
     full = seq.text + pending
-    stops = seq.params.stop
+    stops = seq.params.stop if len(seq.output_ids) >= seq.params.min_new_tokens else []
     if stops:
         hits = [(full.find(s, max(0, start - len(s) + 1)), s) for s in stops]
         hits = [(i, s) for i, s in hits if i >= 0]
@@ -148,8 +148,10 @@ def append_token(seq: Sequence, token: int, info: TokenLogprob | None) -> Sequen
 
     Finish rules, in order: a stop token (EOS unless ``ignore_eos``, or one of
     ``stop_token_ids``) ends with ``stop`` and contributes no text; a stop
-    string ends with ``stop`` and is cut out of the text; reaching
-    ``max_new_tokens`` (or the context length) ends with ``length``.
+    string ends with ``stop`` and is cut out of the text (only once there are
+    ``min_new_tokens``, as in vLLM: a stop string completed earlier is text;
+    the sampler bans stop tokens until then); reaching ``max_new_tokens`` (or
+    the context length) ends with ``length``.
     """
     seq.output_ids.append(token)
     if info is not None:

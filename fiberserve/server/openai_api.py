@@ -21,8 +21,13 @@ from fiberserve.server.state import ServerState
 router = APIRouter(prefix="/v1")
 
 #: Engine parameter names as OpenAI clients know them (for error messages).
-_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "top_logprobs": "logprobs", "prompt": "prompt"}
-_CHAT_NAMES = {"max_new_tokens": "max_tokens", "prompt": "messages"}
+_OPENAI_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "top_logprobs": "logprobs",
+    "prompt": "prompt",
+}
+_CHAT_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "prompt": "messages"}
 
 
 def _state(request: Request) -> ServerState:

@@ -46,6 +46,7 @@ class SamplingFields(Lenient):
 
 class NativeSamplingParams(SamplingFields):
     max_new_tokens: Int | None = None
+    min_new_tokens: Int | None = None
     max_completion_tokens: Int | None = None  # shortfin's name for max_new_tokens
     skip_special_tokens: StrictBool | None = None
     sampling_seed: Int | None = None  # SGLang's name for seed
@@ -95,6 +96,7 @@ class GenerateRequest(Lenient):
             {"max_new_tokens": 128, "temperature": 1.0},
             **values,
             max_new_tokens=sp.max_new_tokens if sp.max_new_tokens is not None else sp.max_completion_tokens,
+            min_new_tokens=sp.min_new_tokens,
             skip_special_tokens=sp.skip_special_tokens,
             logprobs=self.return_logprob,
             top_logprobs=self.top_logprobs_num if self.return_logprob else None,
@@ -109,12 +111,14 @@ class OpenAICommon(SamplingFields):
     model: str | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    min_tokens: Int | None = None  # vLLM's extension
 
     def _params(self, max_tokens: int | None, logprobs: bool, top_logprobs: int | None) -> SamplingParams:
         return build_params(
             {"max_new_tokens": 16 if isinstance(self, CompletionRequest) else 512, "temperature": 1.0},
             **self.shared_values(),
             max_new_tokens=max_tokens,
+            min_new_tokens=self.min_tokens,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
         )

@@ -153,6 +153,25 @@ async def test_max_new_tokens_zero_and_eos(engine):
     assert len(forced.outputs[0].token_ids) == 40 and forced.outputs[0].finish_reason == "length"
 
 
+async def test_min_new_tokens_holds_off_eos_and_stop_strings(engine, tokenizer):
+    prompt = engine.chat_prompts(1)
+    free = (await engine.run(prompt, SamplingParams(max_new_tokens=200, temperature=0)))[0].outputs[0]
+    assert free.finish_reason == "stop" and free.matched_stop == 2
+    k = len(free.token_ids) - 1  # the answer's tokens, EOS excluded
+    held = (await engine.run(prompt, SamplingParams(max_new_tokens=k + 8, min_new_tokens=k + 4, temperature=0)))[0]
+    out = held.outputs[0]
+    assert out.token_ids[:k] == free.token_ids[:k] and out.token_ids[k] != free.token_ids[k]  # EOS was banned
+    assert len(out.token_ids) >= k + 4 and out.text.startswith(free.text)
+    # A stop string found before the minimum is text; one found after it ends the output.
+    early = free.text[: len(free.text) // 2].split()[-1]
+    stopped = (await engine.run(prompt, SamplingParams(max_new_tokens=200, temperature=0, stop=[early])))[0]
+    assert len(stopped.outputs[0].token_ids) < k
+    late = (
+        await engine.run(prompt, SamplingParams(max_new_tokens=200, min_new_tokens=k, temperature=0, stop=[early]))
+    )[0].outputs[0]
+    assert late.text.startswith(free.text) and late.token_ids[:k] == free.token_ids[:k]
+
+
 async def test_logprobs_are_returned_for_chosen_tokens(engine):
     out = (
         await engine.run(

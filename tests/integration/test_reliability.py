@@ -77,6 +77,8 @@ BAD_INPUT = [
     (C, {"prompt": "a", "n": 100}, 400, "n"),
     (C, {"prompt": "a", "echo": True}, 400, "echo"),
     (C, {"prompt": "a", "suffix": "b"}, 400, "suffix"),
+    (C, {"prompt": "a", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    (G, sp(min_new_tokens=-1), 400, "min_new_tokens"),
     (C, {"prompt": "a", "best_of": 3}, 400, "best_of"),
     (C, {"prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     (C, {"prompt": "a", "logit_bias": {"5": 101}}, 400, "logit_bias"),
