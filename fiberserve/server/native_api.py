@@ -11,10 +11,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fiberserve import __version__
+from fiberserve.engine import InvalidParameter
 from fiberserve.engine import Request as EngineRequest
 from fiberserve.engine.sequence import Sequence
 from fiberserve.engine.service import CompletionOutput, completion_of
-from fiberserve.server.errors import ApiError, error_body
+from fiberserve.server.errors import ApiError, error_body, from_engine
 from fiberserve.server.protocol import GenerateRequest
 from fiberserve.server.state import ServerState
 
@@ -162,7 +163,10 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     state = _state(request)
     started = time.monotonic()
     prompts, batched = _prompts(state, body)
-    params = body.params()
+    try:
+        params = body.params()
+    except InvalidParameter as exc:
+        raise from_engine(exc) from None
     rids = None
     if body.rid is not None:
         rids = body.rid if isinstance(body.rid, list) else [body.rid]

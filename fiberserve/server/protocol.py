@@ -1,7 +1,10 @@
 """Request bodies of every endpoint (pydantic): types are checked here, ranges by SamplingParams.validate.
 
 Unknown keys are tolerated (clients send engine-specific extras) and null
-means "use the default", as SGLang and vLLM behave.
+means "use the default", as SGLang and vLLM behave.  Options a client sets to
+change the answer in a way this server does not implement (constrained
+decoding, ``echo``, ``suffix``, tools, ...) are refused by name instead: an
+answer that silently ignored them would be wrong.
 """
 
 from __future__ import annotations
@@ -20,8 +23,15 @@ class Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class SamplingFields(Lenient):
-    """The sampling keys every API shares, under the same names."""
+#: Constrained decoding, SGLang's keys and vLLM's: refused by name, since an unconstrained answer would be wrong.
+CONSTRAINT_KEYS = ("regex", "json_schema", "ebnf", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+class SamplingFields(BaseModel):
+    """The sampling keys every API shares, under the same names.  Unknown keys are kept (``model_extra``) only to
+    refuse the constraint keys; the others are ignored."""
+
+    model_config = ConfigDict(extra="allow")
 
     temperature: Float | None = None
     top_p: Float | None = None
@@ -38,6 +48,10 @@ class SamplingFields(Lenient):
     logit_bias: dict[str, Float] | None = None  # token id (a JSON key, so a string) -> bias
 
     def shared_values(self) -> dict[str, Any]:
+        extra = self.model_extra or {}
+        for key in CONSTRAINT_KEYS:
+            if extra.get(key) is not None:
+                raise InvalidParameter(key, "constrained decoding is not supported")
         values = {name: getattr(self, name) for name in SamplingFields.model_fields}
         values["stop"] = _stops(self.stop)
         values["logit_bias"] = _token_biases(self.logit_bias)
