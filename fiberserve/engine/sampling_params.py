@@ -37,6 +37,8 @@ class SamplingParams:
     #: How many top alternatives to report per position (0 = none).
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    #: Keep the stop string that ended the output at the end of its text (vLLM's ``include_stop_str_in_output``).
+    include_stop_str: bool = False
     #: Added to the logits of these token ids before penalties and sampling (OpenAI's ``logit_bias``).
     logit_bias: dict[int, float] = field(default_factory=dict)
 

@@ -129,8 +129,9 @@ def _release_text(seq: Sequence, piece: str, final: bool) -> str:
             index, matched = min(hits)
             seq.finish_reason, seq.matched_stop = FinishReason.STOP, matched
             seq.held = ""
-            released = full[start:index]
-            seq.text = full[:index]
+            end = index + len(matched) if seq.params.include_stop_str else index
+            released = full[start:end]
+            seq.text = full[:end]
             return released
         if not final:
             hold = max(len(s) for s in stops) - 1
@@ -148,7 +149,8 @@ def append_token(seq: Sequence, token: int, info: TokenLogprob | None) -> Sequen
 
     Finish rules, in order: a stop token (EOS unless ``ignore_eos``, or one of
     ``stop_token_ids``) ends with ``stop`` and contributes no text; a stop
-    string ends with ``stop`` and is cut out of the text (only once there are
+    string ends with ``stop`` and is cut out of the text unless
+    ``include_stop_str`` (only once there are
     ``min_new_tokens``, as in vLLM: a stop string completed earlier is text;
     the sampler bans stop tokens until then); reaching ``max_new_tokens`` (or
     the context length) ends with ``length``.

@@ -254,7 +254,7 @@ class LlmService:
                 i,
                 prompt_ids,
                 params,
-                self.tokenizer.detokenizer(prompt_ids),
+                self.tokenizer.detokenizer(prompt_ids, params.skip_special_tokens),
                 self.tokenizer.eos_token_ids,
                 self.max_context,
             )

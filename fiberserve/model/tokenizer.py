@@ -45,8 +45,10 @@ class Tokenizer:
         # The rendered template carries its own special tokens: add none twice.
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
-    def detokenizer(self, prompt_ids: list[int] | None = None) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self, prompt_ids or [])
+    def detokenizer(
+        self, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, prompt_ids or [], skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -61,8 +63,9 @@ class IncrementalDetokenizer:
 
     CONTEXT = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_ids[-self.CONTEXT :])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -71,9 +74,8 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one id; return the new text it completes (possibly empty)."""
         self.ids.append(token_id)
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset : self.read_offset])
-        full = decode(self.ids[self.prefix_offset :])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             piece = full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
@@ -83,12 +85,15 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end: whatever is still held back (an incomplete character decodes as U+FFFD)."""
-        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         piece = full[len(prefix) :] if full.startswith(prefix) else ""
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += piece
         return piece
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
 
 def _cache_key(path: Path) -> str:

@@ -43,6 +43,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[Int] | None = None
     ignore_eos: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
     n: Int | None = None
     seed: Int | None = None
     logit_bias: dict[str, Float] | None = None  # token id (a JSON key, so a string) -> bias
@@ -62,7 +63,7 @@ class NativeSamplingParams(SamplingFields):
     max_new_tokens: Int | None = None
     min_new_tokens: Int | None = None
     max_completion_tokens: Int | None = None  # shortfin's name for max_new_tokens
-    skip_special_tokens: StrictBool | None = None
+    no_stop_trim: StrictBool | None = None  # SGLang's name for include_stop_str_in_output
     sampling_seed: Int | None = None  # SGLang's name for seed
 
 
@@ -111,7 +112,7 @@ class GenerateRequest(Lenient):
             **values,
             max_new_tokens=sp.max_new_tokens if sp.max_new_tokens is not None else sp.max_completion_tokens,
             min_new_tokens=sp.min_new_tokens,
-            skip_special_tokens=sp.skip_special_tokens,
+            include_stop_str=sp.no_stop_trim,
             logprobs=self.return_logprob,
             top_logprobs=self.top_logprobs_num if self.return_logprob else None,
         )
@@ -126,6 +127,7 @@ class OpenAICommon(SamplingFields):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     min_tokens: Int | None = None  # vLLM's extension
+    include_stop_str_in_output: StrictBool | None = None  # vLLM's extension
 
     def _params(self, max_tokens: int | None, logprobs: bool, top_logprobs: int | None) -> SamplingParams:
         return build_params(
@@ -133,6 +135,7 @@ class OpenAICommon(SamplingFields):
             **self.shared_values(),
             max_new_tokens=max_tokens,
             min_new_tokens=self.min_tokens,
+            include_stop_str=self.include_stop_str_in_output,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
         )

@@ -219,7 +219,7 @@ def test_openai_client_models_completions_and_chat(server):
     server.assert_idle()
 
 
-def test_openai_logit_bias_steers_the_tokens_and_logprobs_stay_raw(server, tokenizer):
+def test_openai_logit_bias_special_tokens_and_kept_stop_strings(server, tokenizer):
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
@@ -254,6 +254,26 @@ def test_openai_logit_bias_steers_the_tokens_and_logprobs_stay_raw(server, token
         logit_bias={str(second_id): 100},
     )
     assert chat.choices[0].message.content == second * 2
+
+    # Special tokens are left out of the text unless skip_special_tokens is false (vLLM's extension).
+    special = {"max_tokens": 2, "temperature": 0, "logit_bias": {"1": 100}}  # <|im_start|>
+    hidden = client.completions.create(model=model, prompt=prompt, **special)
+    shown = client.completions.create(model=model, prompt=prompt, **special, extra_body={"skip_special_tokens": False})
+    assert (hidden.choices[0].text, shown.choices[0].text) == ("", "<|im_start|>" * 2)
+    kept = client.completions.create(
+        model=model,
+        prompt="1, 2, 3,",
+        max_tokens=20,
+        temperature=0,
+        stop=[" 5"],
+        extra_body={"include_stop_str_in_output": True},
+    )
+    assert kept.choices[0].text == " 4, 5" and kept.choices[0].finish_reason == "stop"
+    with server.client() as c:  # the same on /generate, under SGLang's names
+        native = {"max_new_tokens": 20, "temperature": 0, "stop": [" 5"], "no_stop_trim": True}
+        assert c.post("/generate", json={"text": "1, 2, 3,", "sampling_params": native}).json()["text"] == " 4, 5"
+        native = {"max_new_tokens": 1, "logit_bias": {"1": 100}, "skip_special_tokens": False}
+        assert c.post("/generate", json={"text": prompt, "sampling_params": native}).json()["text"] == "<|im_start|>"
     server.assert_idle()
 
 

@@ -39,6 +39,15 @@ def test_stop_string_spanning_tokens_is_cut_and_never_streamed():
     assert all("E" not in d for d in deltas)  # the stop text was held back, never shown
 
 
+def test_stop_string_kept_when_asked_and_ignored_below_the_minimum_length():
+    seq = make(SamplingParams(max_new_tokens=50, stop=["END"], include_stop_str=True))
+    deltas = feed(seq, "hello ENDgame")
+    assert seq.finish_reason is FinishReason.STOP and seq.text == "".join(deltas) == "hello END"
+    seq = make(SamplingParams(max_new_tokens=50, stop=["END"], min_new_tokens=5))
+    deltas = feed(seq, "ENDhello ENDgame")  # the first END completes at 3 tokens, below the minimum
+    assert seq.finish_reason is FinishReason.STOP and seq.text == "".join(deltas) == "ENDhello "
+
+
 def test_held_back_text_is_released_when_it_is_not_a_stop():
     seq = make(SamplingParams(max_new_tokens=8, stop=["xyz"]))
     deltas = feed(seq, "abcxyabc")
