@@ -63,6 +63,7 @@ async def models(request: Request) -> dict:
                 "created": 0,
                 "owned_by": "fiberserve",
                 "root": state.service.model_path,
+                "max_model_len": state.service.max_context,  # vLLM's field: clients size prompts by it
             }
         ],
     }

@@ -73,6 +73,8 @@ def test_model_and_server_info(server):
         assert c.get("/server_info").json()["fibers"] == 2
         assert c.post("/flush_cache").json()["success"] is True
         assert c.get("/health").json() == {"status": "ok"}
+        [card] = c.get("/v1/models").json()["data"]
+        assert card["id"] == "SmolLM2-135M-Instruct" and card["max_model_len"] == info["max_context_length"] == 8192
 
 
 def test_generate_list_of_8_equals_single_prompts(server):
