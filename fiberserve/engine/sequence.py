@@ -149,11 +149,11 @@ def append_token(seq: Sequence, token: int, info: TokenLogprob | None) -> Sequen
 
     Finish rules, in order: a stop token (EOS unless ``ignore_eos``, or one of
     ``stop_token_ids``) ends with ``stop`` and contributes no text; a stop
-    string ends with ``stop`` and is cut out of the text unless
-    ``include_stop_str`` (only once there are
-    ``min_new_tokens``, as in vLLM: a stop string completed earlier is text;
-    the sampler bans stop tokens until then); reaching ``max_new_tokens`` (or
-    the context length) ends with ``length``.
+    string ends with ``stop`` and is cut out of the text (kept with
+    ``include_stop_str``), but only once there are ``min_new_tokens`` tokens
+    (as in vLLM: one completed earlier is text; the sampler bans stop tokens
+    until then); reaching ``max_new_tokens`` (or the context length) ends
+    with ``length``.
     """
     seq.output_ids.append(token)
     if info is not None:
