@@ -82,3 +82,16 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenL
             info = TokenLogprob(token, float(row[token]), top)
         results.append((token, info))
     return results
+
+
+def score_tokens(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprob]:
+    """The logprob of ``targets[i]`` under row ``i`` of ``logits`` [len(targets), vocab], with the ``top`` most
+    likely alternatives: how a prompt is scored (the raw distribution, as for generated tokens)."""
+    log_probs = torch.log_softmax(logits.cpu().float(), dim=-1)
+    chosen = log_probs.gather(1, torch.tensor(targets, dtype=torch.long)[:, None])[:, 0].tolist()
+    if top:
+        values, ids = torch.topk(log_probs, top, dim=-1)
+        alternatives = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    else:
+        alternatives = [[] for _ in targets]
+    return [TokenLogprob(t, lp, alt) for t, lp, alt in zip(targets, chosen, alternatives, strict=True)]

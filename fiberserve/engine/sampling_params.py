@@ -36,6 +36,9 @@ class SamplingParams:
     logprobs: bool = False
     #: How many top alternatives to report per position (0 = none).
     top_logprobs: int = 0
+    #: Score the prompt too: each prompt token's logprob (the first has none) and this many top alternatives per
+    #: position; None = not at all.  Such a request computes its whole prompt (no prefix cache).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     #: Keep the stop string that ended the output at the end of its text (vLLM's ``include_stop_str_in_output``).
     include_stop_str: bool = False
@@ -75,6 +78,7 @@ class SamplingParams:
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("n", 1 <= self.n <= max_n, f"must be in [1, {max_n}]"),
             ("top_logprobs", 0 <= self.top_logprobs <= 20, "must be in [0, 20]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "must be in [0, 20]"),
             (
                 "stop",
                 len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop),

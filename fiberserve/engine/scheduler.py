@@ -74,7 +74,8 @@ class Scheduler:
         return Flight(items) if items else None
 
     def _admit(self, seq: Sequence) -> bool:
-        matched = self.pages.match_prefix(seq.tokens)
+        # A prompt being scored is computed whole: cached pages would skip the rows that score it.
+        matched = self.pages.match_prefix(seq.tokens) if seq.prompt_logprobs is None else []
         first_admission = seq.preemptions == 0
         seq.pages, seq.num_computed = matched, len(matched) * self.pages.page_size
         seq.registered_pages = len(matched)
@@ -128,10 +129,13 @@ class Scheduler:
     # ------------------------------------------------------------------ landing
 
     def on_flight_done(self, flight: Flight, result: FlightResult) -> None:
-        for item, sampled in zip(flight.items, result.tokens, strict=True):
+        for item, sampled, scored in zip(flight.items, result.tokens, result.prompt_logprobs, strict=True):
             seq = item.seq
             seq.in_flight = False
             seq.num_computed = item.start + item.length
+            if scored:  # a recompute after preemption scores the same positions again, to the same values
+                first = item.scored_prompt.start + 1
+                seq.prompt_logprobs[first : first + len(scored)] = scored
             if seq.num_computed // self.pages.page_size > seq.registered_pages:  # a page just filled up
                 seq.registered_pages = self.pages.register(
                     seq.pages, seq.tokens[: seq.num_computed], seq.registered_pages
@@ -144,6 +148,8 @@ class Scheduler:
                     self.finish(seq, seq.finish_reason, event)
                 else:
                     seq.events.put_nowait(event)
+            elif seq.max_tokens <= 0 and seq.num_computed == seq.num_tokens:  # a prompt scored, nothing to add
+                self.finish(seq, FinishReason.LENGTH)
 
     def on_flight_failed(self, flight: Flight, error: BaseException) -> None:
         for item in flight.items:

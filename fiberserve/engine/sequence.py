@@ -74,6 +74,10 @@ class Sequence:
         self.matched_stop: str | int | None = None
         self.error: str | None = None
         self.logprobs: list[TokenLogprob] = []
+        #: Per prompt position, the logprob of that token given the ones before (None for the first), if asked.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            None if params.prompt_logprobs is None else [None] * len(prompt_ids)
+        )
         self.detokenizer = detokenizer
         self.text = ""  #: text released to the consumer
         self.held = ""  #: text not yet released: it may be the start of a stop string

@@ -68,6 +68,8 @@ class CompletionOutput:
     matched_stop: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
+    #: Per prompt position (None for the first), where the request asked for ``prompt_logprobs``.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -104,7 +106,14 @@ class Request:
 def completion_of(seq: Sequence) -> CompletionOutput:
     reason = seq.finish_reason.value if seq.finish_reason else "running"
     return CompletionOutput(
-        seq.index, seq.text, list(seq.output_ids), reason, seq.matched_stop, seq.logprobs, seq.error
+        seq.index,
+        seq.text,
+        list(seq.output_ids),
+        reason,
+        seq.matched_stop,
+        seq.logprobs,
+        seq.error,
+        seq.prompt_logprobs,
     )
 
 
@@ -260,8 +269,9 @@ class LlmService:
             )
             for i in range(params.n)
         ]
+        scores_prompt = params.prompt_logprobs is not None and len(prompt_ids) > 1
         for seq in seqs:
-            if seq.max_tokens <= 0:  # nothing to compute: finished at once with "length"
+            if seq.max_tokens <= 0 and not scores_prompt:  # nothing to compute: finished at once with "length"
                 self.scheduler.finish(seq, FinishReason.LENGTH)
             else:
                 self.scheduler.add(seq)

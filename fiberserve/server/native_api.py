@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -122,7 +123,19 @@ def finish_reason(comp: CompletionOutput | Sequence) -> dict | None:
     return None
 
 
-def _meta(req: EngineRequest, comp: CompletionOutput, logprob: bool, started: float) -> dict:
+@dataclass(frozen=True)
+class LogprobAsk:
+    """What a /generate answer carries of the logprobs: the output's, and the input's from a position on."""
+
+    output: bool = False
+    input_from: int | None = None
+
+    @classmethod
+    def of(cls, body: GenerateRequest) -> LogprobAsk:
+        return cls(bool(body.return_logprob), body.input_logprobs_from())
+
+
+def _meta(req: EngineRequest, comp: CompletionOutput, logprob: LogprobAsk, started: float) -> dict:
     meta = {
         "id": req.id if len(req.seqs) == 1 else f"{req.id}-{comp.index}",
         "finish_reason": finish_reason(comp),
@@ -131,13 +144,17 @@ def _meta(req: EngineRequest, comp: CompletionOutput, logprob: bool, started: fl
         "cached_tokens": max(s.cached_tokens for s in req.seqs),
         "e2e_latency": time.monotonic() - started,
     }
-    if logprob:
+    if logprob.output:
         meta["output_token_logprobs"] = [[lp.logprob, lp.token_id, None] for lp in comp.logprobs]
         meta["output_top_logprobs"] = [[[v, t, None] for t, v in lp.top] for lp in comp.logprobs]
+    if logprob.input_from is not None and comp.prompt_logprobs is not None:  # the first token has none
+        scored = list(zip(req.prompt_ids, comp.prompt_logprobs, strict=True))[logprob.input_from :]
+        meta["input_token_logprobs"] = [[lp and lp.logprob, t, None] for t, lp in scored]
+        meta["input_top_logprobs"] = [lp and [[v, i, None] for i, v in lp.top] for _, lp in scored]
     return meta
 
 
-def _result(req: EngineRequest, comp: CompletionOutput, logprob: bool, started: float) -> dict:
+def _result(req: EngineRequest, comp: CompletionOutput, logprob: LogprobAsk, started: float) -> dict:
     return {"text": comp.text, "output_ids": comp.token_ids, "meta_info": _meta(req, comp, logprob, started)}
 
 
@@ -174,7 +191,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
             raise ApiError(400, "rid: one non-empty id (at most 128 characters) per prompt", "rid")
     requests = state.submit(prompts, params, rids)
     request.state.prompt_tokens = sum(len(p) for p in prompts)
-    logprob = bool(body.return_logprob)
+    logprob = LogprobAsk.of(body)
     many = batched or params.n > 1
     if body.stream:
         stream = _stream(state, request, requests, logprob, started, many)
@@ -187,7 +204,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
 
 
 async def _stream(
-    state: ServerState, http: Request, requests: list[EngineRequest], logprob: bool, started: float, many: bool
+    state: ServerState, http: Request, requests: list[EngineRequest], logprob: LogprobAsk, started: float, many: bool
 ) -> AsyncIterator[str]:
     """SGLang's stream: ``data: {json}`` events with the cumulative text, then ``data: [DONE]``."""
     index_of = {}

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fiberserve.engine import InvalidParameter
 from fiberserve.engine import Request as EngineRequest
 from fiberserve.engine.sequence import TokenLogprob
-from fiberserve.engine.service import CompletionOutput
+from fiberserve.engine.service import CompletionOutput, RequestOutput
 from fiberserve.server.errors import ApiError, error_body, from_engine
 from fiberserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from fiberserve.server.state import ServerState
@@ -69,12 +69,16 @@ async def models(request: Request) -> dict:
     }
 
 
-def _completion_logprobs(state: ServerState, lps: list[TokenLogprob]) -> dict:
+def _completion_logprobs(state: ServerState, lps: list[TokenLogprob], first: int | None = None) -> dict:
+    """The legacy completions' logprobs of ``lps``; ``first``: an echoed prompt's first token, which has none.
+    Each position's ``top_logprobs`` holds the most likely tokens and the chosen one, as OpenAI and vLLM give them."""
     decode = state.service.tokenizer.decode
+    unscored = [] if first is None else [decode([first])]
+    tops = [{decode([t]): v for t, v in [*lp.top, (lp.token_id, lp.logprob)]} for lp in lps]
     return {
-        "tokens": [decode([lp.token_id]) for lp in lps],
-        "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{decode([t]): v for t, v in lp.top} for lp in lps],
+        "tokens": unscored + [decode([lp.token_id]) for lp in lps],
+        "token_logprobs": [None] * len(unscored) + [lp.logprob for lp in lps],
+        "top_logprobs": [None] * len(unscored) + tops,
         "text_offset": [],
     }
 
@@ -110,21 +114,31 @@ async def _serve(
     if outputs is None:
         return Response(status_code=499)  # the client left; nobody reads this
     n = params.n
-    choices = [render.choice(state, i * n + c.index, c) for i, o in enumerate(outputs) for c in o.outputs]
+    choices = [render.choice(state, i * n + c.index, c, o) for i, o in enumerate(outputs) for c in o.outputs]
     return JSONResponse(render.body(state, requests, choices))
 
 
 class _Completions:
+    """Renders a completions answer.  ``echo``: each prompt's text, put before its completions (with its
+    tokens' logprobs ahead of theirs, when logprobs are asked for)."""
+
     object = "text_completion"
 
-    def __init__(self, logprobs: bool) -> None:
+    def __init__(self, logprobs: bool, echo: list[str] | None = None) -> None:
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.logprobs = logprobs
+        self.echo = echo
 
-    def choice(self, state: ServerState, index: int, comp: CompletionOutput) -> dict:
-        lps = _completion_logprobs(state, comp.logprobs) if self.logprobs else None
-        return {"index": index, "text": comp.text, "logprobs": lps, "finish_reason": _finish(comp)}
+    def choice(self, state: ServerState, index: int, comp: CompletionOutput, output: RequestOutput) -> dict:
+        lps, text = comp.logprobs, comp.text
+        first = None
+        if self.echo is not None:
+            text = self.echo[index // len(output.outputs)] + text
+            if comp.prompt_logprobs is not None:
+                lps, first = comp.prompt_logprobs[1:] + lps, output.prompt_token_ids[0]
+        logprobs = _completion_logprobs(state, lps, first) if self.logprobs else None
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": _finish(comp)}
 
     def body(self, state: ServerState, requests, choices: list[dict]) -> dict:
         return {
@@ -142,6 +156,9 @@ class _Completions:
     async def stream(self, state: ServerState, http: Request, requests, include_usage: bool) -> AsyncIterator[str]:
         n = len(requests[0].seqs)
         prompt_index = {s.uid: i for i, r in enumerate(requests) for s in r.seqs}
+        for i, prompt in enumerate(self.echo or []):
+            for c in range(n):
+                yield self._chunk(state, requests, self.delta_choice(i * n + c, prompt, None))
         async for seq, event in state.merged_events(requests, http):
             if event.finished and seq.finish_reason.value == "error":
                 body = error_body(f"request {seq.request_id} failed: {seq.error}", "server_error")
@@ -151,15 +168,18 @@ class _Completions:
             finish = seq.finish_reason.value if event.finished else None
             if not event.delta and finish is None:
                 continue
-            chunk = self.body(state, requests, [self.delta_choice(index, event.delta, finish)])
-            chunk["object"] = self.chunk_object
-            chunk.pop("usage")
-            yield f"data: {json.dumps(chunk)}\n\n"
+            yield self._chunk(state, requests, self.delta_choice(index, event.delta, finish))
         if include_usage:
-            chunk = self.body(state, requests, [])
-            chunk["object"] = self.chunk_object
-            yield f"data: {json.dumps(chunk)}\n\n"
+            yield self._chunk(state, requests, None)
         yield "data: [DONE]\n\n"
+
+    def _chunk(self, state: ServerState, requests, choice: dict | None) -> str:
+        """One streamed event: a choice's delta, or (None) the usage alone."""
+        chunk = self.body(state, requests, [] if choice is None else [choice])
+        chunk["object"] = self.chunk_object
+        if choice is not None:
+            chunk.pop("usage")
+        return f"data: {json.dumps(chunk)}\n\n"
 
     chunk_object = "text_completion"
 
@@ -173,7 +193,7 @@ class _ChatCompletions(_Completions):
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.started: set[int] = set()
 
-    def choice(self, state: ServerState, index: int, comp: CompletionOutput) -> dict:
+    def choice(self, state: ServerState, index: int, comp: CompletionOutput, output: RequestOutput) -> dict:
         lps = _chat_logprobs(state, comp.logprobs) if self.logprobs else None
         return {
             "index": index,
@@ -215,9 +235,12 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     except InvalidParameter as exc:
         raise from_engine(exc, _OPENAI_NAMES) from None
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return await _serve(
-        request, state, prompts, params, _OPENAI_NAMES, body.stream, include_usage, _Completions(params.logprobs)
-    )
+    echo = None
+    if body.echo:  # the prompts as given; token ids as their text
+        texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt[0], str) else None
+        echo = texts or [state.service.tokenizer.decode(p, params.skip_special_tokens) for p in prompts]
+    render = _Completions(params.logprobs, echo)
+    return await _serve(request, state, prompts, params, _OPENAI_NAMES, body.stream, include_usage, render)
 
 
 @router.post("/chat/completions")

@@ -100,7 +100,13 @@ class GenerateRequest(Lenient):
     stream: StrictBool = False
     return_logprob: StrictBool | None = None
     top_logprobs_num: Int | None = None
+    logprob_start_len: Int | None = None  # with return_logprob: the input's logprobs too, from this position on
     rid: str | list[str] | None = None
+
+    def input_logprobs_from(self) -> int | None:
+        """Where the input's logprobs start, if asked for (SGLang: ``logprob_start_len`` >= 0)."""
+        start = self.logprob_start_len
+        return start if self.return_logprob and start is not None and start >= 0 else None
 
     def params(self) -> SamplingParams:
         sp = self.sampling_params or NativeSamplingParams()
@@ -115,6 +121,7 @@ class GenerateRequest(Lenient):
             include_stop_str=sp.no_stop_trim,
             logprobs=self.return_logprob,
             top_logprobs=self.top_logprobs_num if self.return_logprob else None,
+            prompt_logprobs=None if self.input_logprobs_from() is None else self.top_logprobs_num or 0,
         )
 
 
@@ -129,7 +136,9 @@ class OpenAICommon(SamplingFields):
     min_tokens: Int | None = None  # vLLM's extension
     include_stop_str_in_output: StrictBool | None = None  # vLLM's extension
 
-    def _params(self, max_tokens: int | None, logprobs: bool, top_logprobs: int | None) -> SamplingParams:
+    def _params(
+        self, max_tokens: int | None, logprobs: bool, top_logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         return build_params(
             {"max_new_tokens": 16 if isinstance(self, CompletionRequest) else 512, "temperature": 1.0},
             **self.shared_values(),
@@ -138,6 +147,7 @@ class OpenAICommon(SamplingFields):
             include_stop_str=self.include_stop_str_in_output,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -145,15 +155,13 @@ class CompletionRequest(OpenAICommon):
     prompt: str | list[str] | list[Int] | list[list[Int]]
     max_tokens: Int | None = None
     logprobs: Int | None = None
+    echo: StrictBool | None = None  # the prompt before the completion, scored too if logprobs are asked for
     # Accepted so that asking for them is refused by name rather than silently ignored (see `unsupported`).
-    echo: StrictBool | None = None
     suffix: str | None = None
     best_of: Int | None = None
 
     def unsupported(self) -> InvalidParameter | None:
         """The first option set here that this server does not implement, as the error to answer with."""
-        if self.echo:
-            return InvalidParameter("echo", "is not supported")
         if self.suffix:
             return InvalidParameter("suffix", "is not supported")
         if self.best_of is not None and self.best_of != (self.n or 1):
@@ -161,7 +169,8 @@ class CompletionRequest(OpenAICommon):
         return None
 
     def params(self) -> SamplingParams:
-        return self._params(self.max_tokens, self.logprobs is not None, self.logprobs or None)
+        scored = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._params(self.max_tokens, self.logprobs is not None, self.logprobs or None, scored)
 
 
 class ChatMessage(Lenient):

@@ -172,6 +172,41 @@ async def test_min_new_tokens_holds_off_eos_and_stop_strings(engine, tokenizer):
     assert late.text.startswith(free.text) and late.token_ids[:k] == free.token_ids[:k]
 
 
+async def test_prompt_logprobs_score_a_prompt_as_generation_scored_its_tokens(engine):
+    prompt = engine.chat_prompts(1)[0]
+    greedy = SamplingParams(max_new_tokens=12, temperature=0, logprobs=True, ignore_eos=True)
+    generated = (await engine.run([prompt], greedy))[0].outputs[0]
+    full = prompt + generated.token_ids
+    score = SamplingParams(max_new_tokens=0, prompt_logprobs=2)
+    # Scored in chunks of at most 16 tokens, beside a request that generates.
+    outputs = await engine.run([full, prompt], [score, greedy], max_batch_tokens=16)
+    scored = outputs[0].outputs[0]
+    assert scored.token_ids == [] and scored.finish_reason == "length"
+    assert outputs[1].outputs[0].token_ids == generated.token_ids
+    lps = scored.prompt_logprobs
+    assert len(lps) == len(full) and lps[0] is None
+    assert [lp.token_id for lp in lps[1:]] == full[1:] and all(len(lp.top) == 2 for lp in lps[1:])
+    for as_prompt, as_output in zip(lps[len(prompt) :], generated.logprobs, strict=True):
+        assert as_prompt.top[0][0] == as_prompt.token_id  # each was the greedy pick
+        assert as_prompt.logprob == pytest.approx(as_output.logprob, abs=1e-4)
+    assert all(lp.logprob < 0 for lp in lps[1:])
+
+    # A scored prompt is computed whole even where the prefix cache holds it.
+    svc = engine.service(fibers=1)
+    await svc.start()
+    try:
+        await svc.generate(full, SamplingParams(max_new_tokens=1, temperature=0))
+        cached = await svc.generate(full, SamplingParams(max_new_tokens=1, temperature=0))
+        again = await svc.generate(full, SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=0))
+        assert cached.cached_tokens > 0 and again.cached_tokens == 0
+        assert [lp.logprob for lp in again.outputs[0].prompt_logprobs[1:]] == [lp.logprob for lp in lps[1:]]
+        assert len(again.outputs[0].token_ids) == 1
+        await asyncio.sleep(0)
+        svc.check_integrity()
+    finally:
+        await svc.close()
+
+
 async def test_logprobs_are_returned_for_chosen_tokens(engine):
     out = (
         await engine.run(

@@ -75,7 +75,7 @@ BAD_INPUT = [
     (C, {"prompt": "a", "max_tokens": -2}, 400, "max_tokens"),
     (C, {"prompt": "a", "logprobs": 50}, 400, "logprobs"),
     (C, {"prompt": "a", "n": 100}, 400, "n"),
-    (C, {"prompt": "a", "echo": True}, 400, "echo"),
+    (C, {"prompt": "a", "echo": "yes"}, 400, "echo"),
     (C, {"prompt": "a", "suffix": "b"}, 400, "suffix"),
     (C, {"prompt": "a", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     (G, sp(min_new_tokens=-1), 400, "min_new_tokens"),

@@ -279,6 +279,47 @@ def test_openai_logit_bias_special_tokens_and_kept_stop_strings(server, tokenize
     server.assert_idle()
 
 
+def test_echo_and_input_logprobs_score_the_prompt_as_lm_eval_asks(server, tokenizer):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    context = "The capital of France is"
+    scored = client.completions.create(
+        model=model, prompt=context + " Paris", max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    choice = scored.choices[0]
+    assert choice.text == context + " Paris" and choice.finish_reason == "length"
+    assert (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (6, 0)
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == context + " Paris" and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v < 0 for v in lp.token_logprobs[1:])
+    generated = client.completions.create(model=model, prompt=context, max_tokens=1, temperature=0, logprobs=1)
+    assert generated.choices[0].text == " Paris"
+    assert lp.token_logprobs[-1] == pytest.approx(generated.choices[0].logprobs.token_logprobs[0], abs=1e-4)
+    assert max(lp.top_logprobs[-1], key=lp.top_logprobs[-1].get) == " Paris"  # lm-eval's is_greedy check
+    assert lp.top_logprobs[1][" capital"] == lp.token_logprobs[1]  # the chosen token is listed with the top ones
+
+    stream = client.completions.create(model=model, prompt=context, max_tokens=3, temperature=0, echo=True, stream=True)
+    texts = [c.choices[0].text for c in stream if c.choices]
+    assert texts[0] == context and "".join(texts).startswith(context + " Paris")
+
+    with server.client() as c:  # SGLang's way: return_logprob with logprob_start_len
+        body = {"text": context + " Paris", "return_logprob": True, "logprob_start_len": 4, "top_logprobs_num": 1}
+        meta = c.post("/generate", json={**body, "sampling_params": {"max_new_tokens": 0}}).json()["meta_info"]
+        assert [t for _, t, _ in meta["input_token_logprobs"]] == tokenizer.encode(context + " Paris")[4:]
+        assert [lp for lp, _, _ in meta["input_token_logprobs"]] == pytest.approx(lp.token_logprobs[4:], abs=1e-6)
+        assert [len(top) for top in meta["input_top_logprobs"]] == [1, 1]
+        whole = c.post("/generate", json={**body, "logprob_start_len": 0}).json()["meta_info"]
+        assert whole["input_token_logprobs"][0][0] is None and whole["input_top_logprobs"][0] is None
+        assert len(whole["input_token_logprobs"]) == 6
+        two = {"max_new_tokens": 2, "ignore_eos": True}
+        outputs_only = c.post("/generate", json={**body, "logprob_start_len": -1, "sampling_params": two}).json()
+        assert "input_token_logprobs" not in outputs_only["meta_info"]
+        assert len(outputs_only["meta_info"]["output_token_logprobs"]) == 2
+    server.assert_idle()
+
+
 def test_tokenize_and_detokenize_agree_with_what_generation_uses(server, tokenizer):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     with server.client() as c:
