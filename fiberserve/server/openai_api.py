@@ -150,8 +150,11 @@ class _Completions:
             "usage": _usage(requests),
         }
 
-    def delta_choice(self, index: int, delta: str, finish: str | None) -> dict:
-        return {"index": index, "text": delta, "logprobs": None, "finish_reason": finish}
+    def delta_choice(self, index: int, delta: str, finish: str | None, logprobs: dict | None = None) -> dict:
+        return {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    def delta_logprobs(self, state: ServerState, lps: list[TokenLogprob]) -> dict:
+        return _completion_logprobs(state, lps)
 
     async def stream(self, state: ServerState, http: Request, requests, include_usage: bool) -> AsyncIterator[str]:
         n = len(requests[0].seqs)
@@ -159,6 +162,7 @@ class _Completions:
         for i, prompt in enumerate(self.echo or []):
             for c in range(n):
                 yield self._chunk(state, requests, self.delta_choice(i * n + c, prompt, None))
+        sent = dict.fromkeys(prompt_index, 0)  # logprobs streamed so far, per sequence
         async for seq, event in state.merged_events(requests, http):
             if event.finished and seq.finish_reason.value == "error":
                 body = error_body(f"request {seq.request_id} failed: {seq.error}", "server_error")
@@ -167,8 +171,11 @@ class _Completions:
             index = prompt_index[seq.uid] * n + seq.index
             finish = seq.finish_reason.value if event.finished else None
             if not event.delta and finish is None:
-                continue
-            yield self._chunk(state, requests, self.delta_choice(index, event.delta, finish))
+                continue  # text held back (a stop string may be starting): its tokens' logprobs go with it later
+            logprobs = None
+            if self.logprobs:
+                logprobs, sent[seq.uid] = self.delta_logprobs(state, seq.logprobs[sent[seq.uid] :]), len(seq.logprobs)
+            yield self._chunk(state, requests, self.delta_choice(index, event.delta, finish, logprobs))
         if include_usage:
             yield self._chunk(state, requests, None)
         yield "data: [DONE]\n\n"
@@ -202,12 +209,15 @@ class _ChatCompletions(_Completions):
             "finish_reason": _finish(comp),
         }
 
-    def delta_choice(self, index: int, delta: str, finish: str | None) -> dict:
+    def delta_choice(self, index: int, delta: str, finish: str | None, logprobs: dict | None = None) -> dict:
         content = {"content": delta} if delta or finish is None else {}
         if index not in self.started:
             self.started.add(index)
             content = {"role": "assistant", "content": delta}
-        return {"index": index, "delta": content, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish}
+
+    def delta_logprobs(self, state: ServerState, lps: list[TokenLogprob]) -> dict:
+        return _chat_logprobs(state, lps)
 
 
 @router.post("/completions")

@@ -320,6 +320,29 @@ def test_echo_and_input_logprobs_score_the_prompt_as_lm_eval_asks(server, tokeni
     server.assert_idle()
 
 
+def test_openai_streams_carry_the_logprobs_of_their_tokens(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    ask = {"model": model, "max_tokens": 12, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = client.chat.completions.create(messages=messages, **ask).choices[0].logprobs.content
+    chunks = client.chat.completions.create(messages=messages, stream=True, **ask)
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob, len(t.top_logprobs)) for t in streamed] == [
+        (t.token, t.logprob, len(t.top_logprobs)) for t in whole
+    ]
+    # A stop string holds text back; its tokens' logprobs come with the text, none lost.
+    ask = {"model": model, "prompt": "1, 2, 3,", "max_tokens": 20, "temperature": 0, "logprobs": 1, "stop": [" 6"]}
+    whole = client.completions.create(**ask).choices[0].logprobs
+    chunks = list(client.completions.create(stream=True, **ask))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for lp in streamed for t in lp.tokens] == whole.tokens and len(whole.tokens) > 4
+    assert [v for lp in streamed for v in lp.token_logprobs] == whole.token_logprobs
+    server.assert_idle()
+
+
 def test_tokenize_and_detokenize_agree_with_what_generation_uses(server, tokenizer):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     with server.client() as c:
