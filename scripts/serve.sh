@@ -7,4 +7,6 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e .
+# xgrammar for constrained decoding, without its requirements: they pull in triton, a GPU compiler unused here.
+.venv/bin/python -m pip install -q --no-deps "xgrammar>=0.1.21" "apache-tvm-ffi>=0.1.11"
 exec .venv/bin/fiberserve serve "$@"

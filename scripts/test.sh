@@ -9,6 +9,8 @@ python3 -m venv .venv
 # an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test]"
+# xgrammar for constrained decoding, without its requirements: they pull in triton, a GPU compiler unused here.
+.venv/bin/python -m pip install -q --no-deps "xgrammar>=0.1.21" "apache-tvm-ffi>=0.1.11"
 # The SGLang frontend, installed lightly: its own dependencies are the server's, not the client's.
 .venv/bin/python -m pip install -q --no-deps "sglang==0.5.10"
 .venv/bin/ruff check fiberserve tests

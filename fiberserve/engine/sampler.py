@@ -17,9 +17,11 @@ from fiberserve.model.llama import argmax_rows
 
 
 def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    """``row`` (a copy) with the stop tokens banned below ``min_new_tokens``, the request's logit bias added,
-    then its penalties applied (vLLM's order)."""
+    """``row`` (a copy, float32) with the tokens its grammar does not allow and its stop tokens below
+    ``min_new_tokens`` banned, the request's logit bias added, then its penalties applied (vLLM's order)."""
     p = seq.params
+    if seq.grammar is not None:
+        seq.grammar.mask(row)
     if len(seq.output_ids) < p.min_new_tokens and seq.stop_ids:
         row[torch.tensor(sorted(seq.stop_ids), dtype=torch.long)] = float("-inf")
     if p.logit_bias:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fiberserve.engine.grammar import GrammarSpec
 
 
 class InvalidParameter(ValueError):
@@ -44,6 +48,8 @@ class SamplingParams:
     include_stop_str: bool = False
     #: Added to the logits of these token ids before penalties and sampling (OpenAI's ``logit_bias``).
     logit_bias: dict[int, float] = field(default_factory=dict)
+    #: What the output must match (constrained decoding), or None.
+    grammar: GrammarSpec | None = None
 
     @property
     def greedy(self) -> bool:
@@ -55,8 +61,8 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """The logits are changed before a token is picked (a bias, a penalty, stop tokens banned)."""
-        return bool(self.logit_bias) or self.needs_penalties or self.min_new_tokens > 0
+        """The logits are changed before a token is picked (a grammar, a bias, a penalty, stop tokens banned)."""
+        return bool(self.logit_bias) or self.needs_penalties or self.min_new_tokens > 0 or self.grammar is not None
 
     @property
     def argmax_only(self) -> bool:

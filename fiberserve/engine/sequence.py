@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fiberserve.engine.grammar import GrammarState
 from fiberserve.engine.sampling_params import SamplingParams
 from fiberserve.model.tokenizer import IncrementalDetokenizer
 
@@ -74,6 +75,7 @@ class Sequence:
         self.matched_stop: str | int | None = None
         self.error: str | None = None
         self.logprobs: list[TokenLogprob] = []
+        self.grammar: GrammarState | None = None  #: set by the engine where the request constrains the output
         #: Per prompt position, the logprob of that token given the ones before (None for the first), if asked.
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             None if params.prompt_logprobs is None else [None] * len(prompt_ids)
@@ -152,7 +154,8 @@ def append_token(seq: Sequence, token: int, info: TokenLogprob | None) -> Sequen
     """Record a sampled token, apply the stop rules, and return the consumer's event.
 
     Finish rules, in order: a stop token (EOS unless ``ignore_eos``, or one of
-    ``stop_token_ids``) ends with ``stop`` and contributes no text; a stop
+    ``stop_token_ids``) ends with ``stop`` and contributes no text, as does a
+    grammar completed with no stop token to take; a stop
     string ends with ``stop`` and is cut out of the text (kept with
     ``include_stop_str``), but only once there are ``min_new_tokens`` tokens
     (as in vLLM: one completed earlier is text; the sampler bans stop tokens
@@ -164,11 +167,16 @@ def append_token(seq: Sequence, token: int, info: TokenLogprob | None) -> Sequen
         seq.logprobs.append(info)
     if seq.first_token_time is None:
         seq.first_token_time = time.monotonic()
+    if seq.grammar is not None and not seq.grammar.accept(token):
+        seq.finish_reason, seq.error = FinishReason.ERROR, f"the grammar refused token {token}"
+        return SequenceEvent("", True)
     if token in seq.stop_ids:
         seq.finish_reason, seq.matched_stop = FinishReason.STOP, token
         piece = ""
     else:
         piece = seq.detokenizer.push(token)
+        if seq.grammar is not None and seq.grammar.complete:  # no stop token to wait for (ignore_eos)
+            seq.finish_reason = FinishReason.STOP
     if seq.finish_reason is None and len(seq.output_ids) >= seq.max_tokens:
         seq.finish_reason = FinishReason.LENGTH
     final = seq.finish_reason is not None

@@ -24,6 +24,7 @@ import torch
 
 from fiberserve.config import EngineConfig
 from fiberserve.engine.faults import FaultInjector
+from fiberserve.engine.grammar import GrammarCompiler, GrammarState
 from fiberserve.engine.kvcache import PagePool
 from fiberserve.engine.runner import Flight, ModelRunner
 from fiberserve.engine.sampling_params import InvalidParameter, SamplingParams
@@ -142,6 +143,7 @@ class LlmService:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
+        self.grammars = GrammarCompiler(tokenizer.hf, model.config.vocab_size)
         self.model_path = model_path
         self.max_context = model.config.max_context
         page_bytes = KVCache.bytes_per_page(model.config, config.page_size, model.dtype)
@@ -254,6 +256,7 @@ class LlmService:
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
         """Validate and queue a request; its sequences start streaming events at once."""
         self.validate(prompt_ids, params)
+        grammar = self.grammars.compile(params.grammar) if params.grammar else None
         if len(self.scheduler.waiting) + params.n > self.config.max_queue:
             raise QueueFull(f"the admission queue is full ({self.config.max_queue} waiting)")
         rid = request_id or uuid.uuid4().hex
@@ -269,6 +272,9 @@ class LlmService:
             )
             for i in range(params.n)
         ]
+        if grammar is not None:
+            for seq in seqs:
+                seq.grammar = GrammarState(grammar, seq.stop_ids)
         scores_prompt = params.prompt_logprobs is not None and len(prompt_ids) > 1
         for seq in seqs:
             if seq.max_tokens <= 0 and not scores_prompt:  # nothing to compute: finished at once with "length"

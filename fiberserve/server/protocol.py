@@ -2,9 +2,9 @@
 
 Unknown keys are tolerated (clients send engine-specific extras) and null
 means "use the default", as SGLang and vLLM behave.  Options a client sets to
-change the answer in a way this server does not implement (constrained
-decoding, ``echo``, ``suffix``, tools, ...) are refused by name instead: an
-answer that silently ignored them would be wrong.
+change the answer in a way this server does not implement (``suffix``, tools,
+...) are refused by name instead: an answer that silently ignored them would
+be wrong.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
+from fiberserve.engine.grammar import GrammarSpec, choice_regex, schema_text
 from fiberserve.engine.sampling_params import InvalidParameter, SamplingParams
 
 Int = int
@@ -23,15 +24,20 @@ class Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-#: Constrained decoding, SGLang's keys and vLLM's: refused by name, since an unconstrained answer would be wrong.
-CONSTRAINT_KEYS = ("regex", "json_schema", "ebnf", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+#: Constrained decoding's keys, SGLang's and vLLM's, and the kind of grammar each gives (see engine/grammar.py).
+GRAMMAR_KEYS = {
+    "regex": "regex",
+    "json_schema": "json_schema",
+    "ebnf": "ebnf",
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "regex",
+    "guided_grammar": "ebnf",
+}
 
 
-class SamplingFields(BaseModel):
-    """The sampling keys every API shares, under the same names.  Unknown keys are kept (``model_extra``) only to
-    refuse the constraint keys; the others are ignored."""
-
-    model_config = ConfigDict(extra="allow")
+class SamplingFields(Lenient):
+    """The sampling keys every API shares, under the same names."""
 
     temperature: Float | None = None
     top_p: Float | None = None
@@ -47,16 +53,54 @@ class SamplingFields(BaseModel):
     n: Int | None = None
     seed: Int | None = None
     logit_bias: dict[str, Float] | None = None  # token id (a JSON key, so a string) -> bias
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    ebnf: str | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def shared_values(self) -> dict[str, Any]:
-        extra = self.model_extra or {}
-        for key in CONSTRAINT_KEYS:
-            if extra.get(key) is not None:
-                raise InvalidParameter(key, "constrained decoding is not supported")
-        values = {name: getattr(self, name) for name in SamplingFields.model_fields}
+        values = {name: getattr(self, name) for name in SamplingFields.model_fields if name not in GRAMMAR_KEYS}
         values["stop"] = _stops(self.stop)
         values["logit_bias"] = _token_biases(self.logit_bias)
+        values["grammar"] = self.grammar()
         return values
+
+    def grammar(self) -> GrammarSpec | None:
+        """The one constraint the request gives (a grammar key, or OpenAI's ``response_format``), if any."""
+        given = [key for key in GRAMMAR_KEYS if getattr(self, key) is not None]
+        response_format = getattr(self, "response_format", None)
+        if response_format is not None and response_format.get("type", "text") != "text":
+            given.append("response_format")
+        if len(given) > 1:
+            raise InvalidParameter(given[1], f"only one constraint per request (this one and {given[0]})")
+        if not given:
+            return None
+        key = given[0]
+        if key == "response_format":
+            return _response_format_grammar(response_format)
+        value = getattr(self, key)
+        if key == "guided_choice":
+            if not value or not all(value):
+                raise InvalidParameter(key, "must be a non-empty list of non-empty strings")
+            return GrammarSpec("regex", choice_regex(value), key)
+        kind = GRAMMAR_KEYS[key]
+        return GrammarSpec(kind, schema_text(value) if kind == "json_schema" else value, key)
+
+
+def _response_format_grammar(response_format: dict[str, Any]) -> GrammarSpec:
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return GrammarSpec("json_object", "", "response_format")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict | str):
+            raise InvalidParameter("response_format", "json_schema.schema (a JSON schema) is required")
+        return GrammarSpec("json_schema", schema_text(schema), "response_format")
+    raise InvalidParameter("response_format", "type must be text, json_object or json_schema")
 
 
 class NativeSamplingParams(SamplingFields):
@@ -134,6 +178,7 @@ class OpenAICommon(SamplingFields):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     min_tokens: Int | None = None  # vLLM's extension
+    response_format: dict[str, Any] | None = None  # text, json_object or json_schema (see SamplingFields.grammar)
     include_stop_str_in_output: StrictBool | None = None  # vLLM's extension
 
     def _params(
@@ -198,14 +243,11 @@ class ChatCompletionRequest(OpenAICommon):
     logprobs: StrictBool | None = None
     top_logprobs: Int | None = None
     # Accepted so that asking for them is refused by name rather than silently ignored (see `unsupported`).
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
 
     def unsupported(self) -> InvalidParameter | None:
         """The first option set here that this server does not implement, as the error to answer with."""
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return InvalidParameter("response_format", "only type 'text' is supported (no guided decoding)")
         if self.tools and self.tool_choice != "none":
             return InvalidParameter("tools", "tool calling is not supported (tool_choice 'none' ignores the tools)")
         return None

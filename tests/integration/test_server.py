@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -340,6 +341,47 @@ def test_openai_streams_carry_the_logprobs_of_their_tokens(server):
     streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     assert [t for lp in streamed for t in lp.tokens] == whole.tokens and len(whole.tokens) > 4
     assert [v for lp in streamed for v in lp.token_logprobs] == whole.token_logprobs
+    server.assert_idle()
+
+
+def test_constrained_decoding_json_schema_choice_and_regex(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    person = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Give me a person as JSON."}],
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": person}},
+    )
+    answer = json.loads(chat.choices[0].message.content)
+    assert chat.choices[0].finish_reason == "stop" and set(answer) == {"name", "age"}
+    assert isinstance(answer["name"], str) and isinstance(answer["age"], int)
+
+    choices = client.completions.create(
+        model=model,
+        prompt="Is the sky blue? Answer:",
+        max_tokens=5,
+        n=4,
+        seed=2,
+        extra_body={"guided_choice": ["yes", "no"]},
+    )
+    assert all(c.text in ("yes", "no") and c.finish_reason == "stop" for c in choices.choices)
+    with server.client() as c:
+        phone = {"max_new_tokens": 20, "regex": "[0-9]{3}-[0-9]{4}"}
+        out = c.post("/generate", json={"text": "My phone number is ", "sampling_params": phone}).json()
+        assert re.fullmatch("[0-9]{3}-[0-9]{4}", out["text"]) and out["meta_info"]["finish_reason"]["type"] == "stop"
+        # With no stop token to take (ignore_eos), the grammar itself ends the output.
+        ab = {"max_new_tokens": 8, "regex": "ab", "ignore_eos": True}
+        out = c.post("/generate", json={"text": "x", "sampling_params": ab}).json()
+        assert out["text"] == "ab" and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": None}
     server.assert_idle()
 
 

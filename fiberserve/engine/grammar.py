@@ -1,0 +1,120 @@
+"""Constrained decoding: a grammar (a JSON schema, any JSON object, a regex, or EBNF) the output must match.
+
+The grammar is compiled once per request by `xgrammar <https://github.com/mlc-ai/xgrammar>`_, the library vLLM
+and SGLang use; each sequence then holds its own matcher.  Before a token is picked the matcher marks the tokens
+that may come next (a bitmask over the vocabulary) and the rest get ``-inf`` logits; the picked token is fed
+back to it.  Once the grammar is complete only a stop token may follow, so the output ends with ``stop``.
+
+xgrammar is optional (``pip install --no-deps xgrammar apache-tvm-ffi``: its own requirements pull in triton, a
+GPU compiler this CPU path does not use); without it a constrained request is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fiberserve.engine.sampling_params import InvalidParameter
+
+#: The kinds of grammar a request may give.
+KINDS = ("json_schema", "json_object", "regex", "ebnf")
+#: The time and C++ source location xgrammar puts before its messages.
+_LOG_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: ")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What the output must match; ``field`` is the request key it came from (errors name it)."""
+
+    kind: str  #: one of KINDS
+    source: str  #: the schema (JSON text), regex or EBNF; empty for json_object
+    field: str
+
+
+def choice_regex(choices: list[str]) -> str:
+    """A regex matching exactly one of ``choices`` (vLLM's ``guided_choice``)."""
+    special = set("\\.^$|?*+()[]{}/")
+    return "(" + "|".join("".join("\\" + c if c in special else c for c in choice) for choice in choices) + ")"
+
+
+def schema_text(schema: Any) -> str:
+    """A JSON schema given as an object or as JSON text, as JSON text."""
+    return schema if isinstance(schema, str) else json.dumps(schema)
+
+
+class GrammarCompiler:
+    """Compiles specs for one tokenizer (cached: clients repeat the same schema); thread-safe."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int) -> None:
+        self._hf, self._vocab_size = hf_tokenizer, vocab_size
+        self._compiler = None
+        self._lock = threading.Lock()
+        self._cache: dict[tuple[str, str], Any] = {}
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        """The compiled grammar; :class:`InvalidParameter` naming ``spec.field`` if it does not compile."""
+        xgr = _xgrammar(spec.field)
+        key = (spec.kind, spec.source)
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self._hf, vocab_size=self._vocab_size)
+                self._compiler = xgr.GrammarCompiler(info)
+            if key in self._cache:
+                return self._cache[key]
+            try:
+                if spec.kind == "json_schema":
+                    grammar = self._compiler.compile_json_schema(spec.source)
+                elif spec.kind == "json_object":
+                    grammar = self._compiler.compile_builtin_json_grammar()
+                elif spec.kind == "regex":
+                    grammar = self._compiler.compile_regex(spec.source)
+                else:
+                    grammar = self._compiler.compile_grammar(spec.source)
+            except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the parser's message
+                message = _LOG_PREFIX.sub("", str(exc)).strip()
+                raise InvalidParameter(spec.field, f"does not compile as {spec.kind}: {message}") from None
+            self._cache[key] = grammar
+            return grammar
+
+
+class GrammarState:
+    """One sequence's place in its grammar.  ``stop_ids``: the sequence's stop tokens, the only tokens allowed
+    once the grammar is complete; with none (``ignore_eos``), the grammar ends the output by itself."""
+
+    def __init__(self, compiled: Any, stop_ids: frozenset[int]) -> None:
+        xgr = _xgrammar("grammar")
+        if stop_ids:
+            self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids))
+        else:
+            self._matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        self._bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+        self._apply = xgr.apply_token_bitmask_inplace
+
+    def mask(self, row: torch.Tensor) -> None:
+        """Set ``-inf`` in ``row`` [vocab] (float32, CPU) at every token the grammar does not allow next."""
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        self._apply(row.view(1, -1), self._bitmask)
+
+    def accept(self, token: int) -> bool:
+        """Feed the picked token; False if the grammar refuses it (it cannot, if :meth:`mask` chose it)."""
+        return self._matcher.accept_token(token)
+
+    @property
+    def complete(self) -> bool:
+        """The output matches the whole grammar and its stop token was taken."""
+        return self._matcher.is_terminated()
+
+
+def _xgrammar(field: str) -> Any:
+    try:
+        import xgrammar
+    except ImportError:
+        raise InvalidParameter(
+            field, "constrained decoding needs xgrammar (pip install --no-deps xgrammar apache-tvm-ffi)"
+        ) from None
+    return xgrammar
