@@ -48,10 +48,11 @@ def schema_text(schema: Any) -> str:
 
 
 class GrammarCompiler:
-    """Compiles specs for one tokenizer (cached: clients repeat the same schema); thread-safe."""
+    """Compiles specs for one tokenizer (a :class:`.Tokenizer`; cached: clients repeat the same schema);
+    thread-safe.  Nothing is built before the first spec."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int) -> None:
-        self._hf, self._vocab_size = hf_tokenizer, vocab_size
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self._tokenizer, self._vocab_size = tokenizer, vocab_size
         self._compiler = None
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, str], Any] = {}
@@ -62,7 +63,7 @@ class GrammarCompiler:
         key = (spec.kind, spec.source)
         with self._lock:
             if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(self._hf, vocab_size=self._vocab_size)
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer.hf, vocab_size=self._vocab_size)
                 self._compiler = xgr.GrammarCompiler(info)
             if key in self._cache:
                 return self._cache[key]

@@ -143,7 +143,7 @@ class LlmService:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
-        self.grammars = GrammarCompiler(tokenizer.hf, model.config.vocab_size)
+        self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size)
         self.model_path = model_path
         self.max_context = model.config.max_context
         page_bytes = KVCache.bytes_per_page(model.config, config.page_size, model.dtype)
