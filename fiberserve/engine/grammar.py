@@ -11,6 +11,7 @@ GPU compiler this CPU path does not use); without it a constrained request is re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -57,14 +58,23 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, str], Any] = {}
 
-    def compile(self, spec: GrammarSpec) -> Any:
-        """The compiled grammar; :class:`InvalidParameter` naming ``spec.field`` if it does not compile."""
-        xgr = _xgrammar(spec.field)
-        key = (spec.kind, spec.source)
+    def prepare(self) -> None:
+        """Import xgrammar and read the tokenizer's vocabulary now (~0.3 s, ~2 s with a cold import), if xgrammar
+        is installed; otherwise the first compile does it."""
+        with contextlib.suppress(InvalidParameter):  # not installed: constrained requests are refused by name
+            self._ready(_xgrammar("grammar"))
+
+    def _ready(self, xgr: Any) -> None:
         with self._lock:
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(self._tokenizer.hf, vocab_size=self._vocab_size)
                 self._compiler = xgr.GrammarCompiler(info)
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        """The compiled grammar; :class:`InvalidParameter` naming ``spec.field`` if it does not compile."""
+        self._ready(_xgrammar(spec.field))
+        key = (spec.kind, spec.source)
+        with self._lock:
             if key in self._cache:
                 return self._cache[key]
             try:

@@ -175,7 +175,9 @@ class LlmService:
             checkpoint = load_checkpoint(path, progress=config.progress)
             model = LlamaModel(checkpoint, dtype=dtype, device=config.device, quantization=config.quantization)
             tokenizer = load_tokenizer(path, config.cache_dir, checkpoint.config.eos_token_ids)
-            return cls(config, model, tokenizer, path)
+            service = cls(config, model, tokenizer, path)
+            service.grammars.prepare()  # here, not in the first constrained request on the event loop
+            return service
 
     @property
     def model_name(self) -> str:
