@@ -15,6 +15,7 @@ import contextlib
 import json
 import re
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,14 +50,16 @@ def schema_text(schema: Any) -> str:
 
 
 class GrammarCompiler:
-    """Compiles specs for one tokenizer (a :class:`.Tokenizer`; cached: clients repeat the same schema);
-    thread-safe.  Nothing is built before the first spec."""
+    """Compiles specs for one tokenizer (a :class:`.Tokenizer`); thread-safe.  The last :data:`CACHED` grammars
+    are kept (clients repeat the same schema).  Nothing is built before :meth:`prepare` or the first spec."""
+
+    CACHED = 64
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self._tokenizer, self._vocab_size = tokenizer, vocab_size
         self._compiler = None
         self._lock = threading.Lock()
-        self._cache: dict[tuple[str, str], Any] = {}
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
     def prepare(self) -> None:
         """Import xgrammar and read the tokenizer's vocabulary now (~0.3 s, ~2 s with a cold import), if xgrammar
@@ -76,6 +79,7 @@ class GrammarCompiler:
         key = (spec.kind, spec.source)
         with self._lock:
             if key in self._cache:
+                self._cache.move_to_end(key)
                 return self._cache[key]
             try:
                 if spec.kind == "json_schema":
@@ -90,6 +94,8 @@ class GrammarCompiler:
                 message = _LOG_PREFIX.sub("", str(exc)).strip()
                 raise InvalidParameter(spec.field, f"does not compile as {spec.kind}: {message}") from None
             self._cache[key] = grammar
+            if len(self._cache) > self.CACHED:
+                self._cache.popitem(last=False)
             return grammar
 
 
