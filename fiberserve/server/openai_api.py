@@ -17,6 +17,7 @@ from fiberserve.engine.service import CompletionOutput, RequestOutput
 from fiberserve.server.errors import ApiError, error_body, from_engine
 from fiberserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from fiberserve.server.state import ServerState
+from fiberserve.server.tools import ToolCallRenderer, template_tools
 
 router = APIRouter(prefix="/v1")
 
@@ -150,8 +151,12 @@ class _Completions:
             "usage": _usage(requests),
         }
 
-    def delta_choice(self, index: int, delta: str, finish: str | None, logprobs: dict | None = None) -> dict:
-        return {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
+    def delta_choice(self, index: int, delta: str, finish: str | None) -> dict | None:
+        """The streamed choice for a sequence's next text (its logprobs filled in by the caller); None: nothing
+        to send yet."""
+        if not delta and finish is None:
+            return None
+        return {"index": index, "text": delta, "logprobs": None, "finish_reason": finish}
 
     def delta_logprobs(self, state: ServerState, lps: list[TokenLogprob]) -> dict:
         return _completion_logprobs(state, lps)
@@ -161,7 +166,8 @@ class _Completions:
         prompt_index = {s.uid: i for i, r in enumerate(requests) for s in r.seqs}
         for i, prompt in enumerate(self.echo or []):
             for c in range(n):
-                yield self._chunk(state, requests, self.delta_choice(i * n + c, prompt, None))
+                if (choice := self.delta_choice(i * n + c, prompt, None)) is not None:
+                    yield self._chunk(state, requests, choice)
         sent = dict.fromkeys(prompt_index, 0)  # logprobs streamed so far, per sequence
         async for seq, event in state.merged_events(requests, http):
             if event.finished and seq.finish_reason.value == "error":
@@ -169,13 +175,13 @@ class _Completions:
                 yield f"data: {json.dumps(body)}\n\n"
                 continue
             index = prompt_index[seq.uid] * n + seq.index
-            finish = seq.finish_reason.value if event.finished else None
-            if not event.delta and finish is None:
+            choice = self.delta_choice(index, event.delta, seq.finish_reason.value if event.finished else None)
+            if choice is None:
                 continue  # text held back (a stop string may be starting): its tokens' logprobs go with it later
-            logprobs = None
             if self.logprobs:
-                logprobs, sent[seq.uid] = self.delta_logprobs(state, seq.logprobs[sent[seq.uid] :]), len(seq.logprobs)
-            yield self._chunk(state, requests, self.delta_choice(index, event.delta, finish, logprobs))
+                choice["logprobs"] = self.delta_logprobs(state, seq.logprobs[sent[seq.uid] :])
+                sent[seq.uid] = len(seq.logprobs)
+            yield self._chunk(state, requests, choice)
         if include_usage:
             yield self._chunk(state, requests, None)
         yield "data: [DONE]\n\n"
@@ -195,26 +201,34 @@ class _ChatCompletions(_Completions):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, logprobs: bool) -> None:
+    def __init__(self, logprobs: bool, tools: ToolCallRenderer | None = None) -> None:
         super().__init__(logprobs)
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.started: set[int] = set()
+        self.tools = tools  # the answers are tool calls
 
     def choice(self, state: ServerState, index: int, comp: CompletionOutput, output: RequestOutput) -> dict:
         lps = _chat_logprobs(state, comp.logprobs) if self.logprobs else None
-        return {
-            "index": index,
-            "message": {"role": "assistant", "content": comp.text},
-            "logprobs": lps,
-            "finish_reason": _finish(comp),
-        }
+        message, finish = {"role": "assistant", "content": comp.text}, _finish(comp)
+        if self.tools is not None:
+            message, finish = self.tools.message(comp.text, finish)
+        return {"index": index, "message": message, "logprobs": lps, "finish_reason": finish}
 
-    def delta_choice(self, index: int, delta: str, finish: str | None, logprobs: dict | None = None) -> dict:
-        content = {"content": delta} if delta or finish is None else {}
-        if index not in self.started:
-            self.started.add(index)
-            content = {"role": "assistant", "content": delta}
-        return {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish}
+    def delta_choice(self, index: int, delta: str, finish: str | None) -> dict | None:
+        if not delta and finish is None:
+            return None
+        first = index not in self.started
+        self.started.add(index)
+        if self.tools is not None:
+            made = self.tools.delta(index, delta, finish, first)
+            if made is None:
+                return None
+            content, finish = made
+        else:
+            content = {"content": delta} if delta or finish is None else {}
+            if first:
+                content = {"role": "assistant", "content": delta}
+        return {"index": index, "delta": content, "logprobs": None, "finish_reason": finish}
 
     def delta_logprobs(self, state: ServerState, lps: list[TokenLogprob]) -> dict:
         return _chat_logprobs(state, lps)
@@ -258,14 +272,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     state = _state(request)
     state.ready_service()
     state.check_model(body.model)
-    if refused := body.unsupported():
-        raise from_engine(refused, _CHAT_NAMES)
-    prompt = state.encode_chat(body.messages)
     try:
+        tool_mode = body.tool_mode()
         params = body.params()
     except InvalidParameter as exc:
         raise from_engine(exc, _CHAT_NAMES) from None
+    prompt = state.encode_chat(body.messages, tools=template_tools(body.tools))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return await _serve(
-        request, state, [prompt], params, _CHAT_NAMES, body.stream, include_usage, _ChatCompletions(params.logprobs)
-    )
+    named = body.tool_choice.function.name if tool_mode == "named" else None
+    render = _ChatCompletions(params.logprobs, ToolCallRenderer(tool_mode, named) if tool_mode else None)
+    return await _serve(request, state, [prompt], params, _CHAT_NAMES, body.stream, include_usage, render)

@@ -2,9 +2,9 @@
 
 Unknown keys are tolerated (clients send engine-specific extras) and null
 means "use the default", as SGLang and vLLM behave.  Options a client sets to
-change the answer in a way this server does not implement (``suffix``, tools,
-...) are refused by name instead: an answer that silently ignored them would
-be wrong.
+change the answer in a way this server does not implement (``suffix``, tool
+choice ``auto``, ...) are refused by name instead: an answer that silently
+ignored them would be wrong.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from fiberserve.engine.grammar import GrammarSpec, choice_regex, schema_text
 from fiberserve.engine.sampling_params import InvalidParameter, SamplingParams
+from fiberserve.server.tools import ToolChoice, ToolSpec, tool_grammar, tool_mode
 
 Int = int
 Float = float
@@ -221,6 +222,10 @@ class CompletionRequest(OpenAICommon):
 class ChatMessage(Lenient):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    # An assistant's earlier calls, and which call a tool message answers: for templates that show them.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -231,9 +236,13 @@ class ChatMessage(Lenient):
         return self.content or ""
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The messages as a chat template takes them."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    extras = ("tool_calls", "tool_call_id", "name")
+    return [
+        {"role": m.role, "content": m.text(), **{k: getattr(m, k) for k in extras if getattr(m, k) is not None}}
+        for m in messages
+    ]
 
 
 class ChatCompletionRequest(OpenAICommon):
@@ -242,15 +251,21 @@ class ChatCompletionRequest(OpenAICommon):
     max_completion_tokens: Int | None = None
     logprobs: StrictBool | None = None
     top_logprobs: Int | None = None
-    # Accepted so that asking for them is refused by name rather than silently ignored (see `unsupported`).
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
-    def unsupported(self) -> InvalidParameter | None:
-        """The first option set here that this server does not implement, as the error to answer with."""
-        if self.tools and self.tool_choice != "none":
-            return InvalidParameter("tools", "tool calling is not supported (tool_choice 'none' ignores the tools)")
-        return None
+    def tool_mode(self) -> str | None:
+        """``"named"`` or ``"required"`` where the answer is tool calls (see server/tools.py), else None."""
+        return tool_mode(self.tools, self.tool_choice)
+
+    def grammar(self) -> GrammarSpec | None:
+        given = super().grammar()
+        if self.tool_mode() is None:
+            return given
+        if given is not None:
+            raise InvalidParameter(given.field, "a tool call's output cannot follow another constraint too")
+        return tool_grammar(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
 
     def params(self) -> SamplingParams:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -263,6 +278,7 @@ class TokenizeRequest(Lenient):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[ToolSpec] | None = None  # with messages: where the template shows them, they count too
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
 

@@ -65,10 +65,12 @@ class ServerState:
             raise ApiError(400, f"{field}: must not be empty", field)
         return self.ready_service().tokenizer.encode(text)
 
-    def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
         """The prompt of a chat, rendered by the model's template; 400 naming ``messages`` if it cannot be."""
         try:
-            return self.ready_service().tokenizer.encode_chat(chat_messages(messages), add_generation_prompt)
+            return self.ready_service().tokenizer.encode_chat(chat_messages(messages), add_generation_prompt, tools)
         except InvalidParameter as exc:  # a content part that is not text
             raise ApiError(400, str(exc), exc.field) from None
         except (ValueError, jinja2.TemplateError) as exc:  # no chat template, or it refused the messages

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fiberserve.server.errors import ApiError
 from fiberserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from fiberserve.server.state import ServerState
+from fiberserve.server.tools import template_tools
 
 router = APIRouter()
 
@@ -30,7 +31,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     if body.messages is None:
         tokens = service.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
-        tokens = state.encode_chat(body.messages, body.add_generation_prompt)
+        tokens = state.encode_chat(body.messages, body.add_generation_prompt, template_tools(body.tools))
     return {"count": len(tokens), "max_model_len": service.max_context, "tokens": tokens}
 
 

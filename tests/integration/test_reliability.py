@@ -28,6 +28,8 @@ G = "/generate"
 C = "/v1/completions"
 CH = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f"}}
+BAD_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}
 
 
 def sp(**kw):
@@ -102,7 +104,19 @@ BAD_INPUT = [
     (CH, {"messages": MSG, "max_tokens": 10**7}, 400, "max_tokens"),
     (CH, {"messages": MSG, "response_format": {"type": "xml"}}, 400, "response_format"),
     (CH, {"messages": MSG, "response_format": {"type": "json_schema"}}, 400, "response_format"),
-    (CH, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    (CH, {"messages": MSG, "tools": [TOOL]}, 400, "tool_choice"),  # "auto", the default, needs a parser
+    (
+        CH,
+        {"messages": MSG, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        400,
+        "tool_choice",
+    ),
+    (CH, {"messages": MSG, "tool_choice": "required"}, 400, "tools"),
+    (CH, {"messages": MSG, "tools": [TOOL, TOOL], "tool_choice": "required"}, 400, "tools"),
+    (CH, {"messages": MSG, "tools": [{"type": "retrieval"}], "tool_choice": "required"}, 400, "tools"),
+    (CH, {"messages": MSG, "tools": [TOOL], "tool_choice": "sometimes"}, 400, "tool_choice"),
+    (CH, {"messages": MSG, "tools": [BAD_TOOL], "tool_choice": "required"}, 400, "tools"),
+    (CH, {"messages": MSG, "tools": [TOOL], "tool_choice": "required", "guided_regex": "a"}, 400, "guided_regex"),
     (G, sp(logit_bias={"999999999": 1}), 400, "logit_bias"),
     ("/tokenize", {}, 400, "prompt"),
     ("/tokenize", {"prompt": "a", "messages": MSG}, 400, "prompt"),

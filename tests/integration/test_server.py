@@ -385,6 +385,79 @@ def test_constrained_decoding_json_schema_choice_and_regex(server):
     server.assert_idle()
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The current time"}}
+
+
+def _is_weather_call(name: str, arguments: str) -> bool:
+    args = json.loads(arguments)
+    return name == "get_weather" and isinstance(args["city"], str) and args["unit"] in ("celsius", "fahrenheit")
+
+
+def test_tool_calls_named_required_streamed_and_answered(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    ask = {
+        "model": model,
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [WEATHER, CLOCK],
+        "temperature": 0,
+        "max_tokens": 80,
+    }
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    forced = client.chat.completions.create(tool_choice=named, **ask).choices[0]
+    assert forced.finish_reason == "stop" and forced.message.content is None
+    [call] = forced.message.tool_calls
+    assert call.id.startswith("call_") and _is_weather_call(call.function.name, call.function.arguments)
+
+    required = client.chat.completions.create(tool_choice="required", **ask).choices[0]
+    assert required.finish_reason == "tool_calls" and required.message.tool_calls
+    for c in required.message.tool_calls:
+        assert (c.function.name == "get_time" and json.loads(c.function.arguments) == {}) or _is_weather_call(
+            c.function.name, c.function.arguments
+        )
+    single = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, n=3, seed=1, **ask)
+    assert all(len(c.message.tool_calls) == 1 for c in single.choices)
+
+    # Streamed: the named call's arguments arrive in pieces after a first delta that names the call; a required
+    # answer arrives whole when it ends.  Either way the same calls as unstreamed.
+    chunks = list(client.chat.completions.create(tool_choice=named, stream=True, **ask))
+    deltas = [ch.choices[0].delta.tool_calls[0] for ch in chunks if ch.choices[0].delta.tool_calls]
+    assert len(deltas) > 3 and deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(tool_choice="required", stream=True, **ask))
+    calls = [c for ch in chunks for c in ch.choices[0].delta.tool_calls or []]
+    assert [(c.index, c.function.name, c.function.arguments) for c in calls] == [
+        (i, c.function.name, c.function.arguments) for i, c in enumerate(required.message.tool_calls)
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    # The call's result goes back as a tool message; with tool_choice "none" the model answers in text.
+    history = [
+        *ask["messages"],
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'},
+    ]
+    answer = client.chat.completions.create(**{**ask, "messages": history, "tool_choice": "none"}).choices[0]
+    assert answer.message.tool_calls is None and answer.message.content
+    server.assert_idle()
+
+
 def test_tokenize_and_detokenize_agree_with_what_generation_uses(server, tokenizer):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     with server.client() as c:
