@@ -44,7 +44,11 @@ KernelTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, to
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+    """oneDNN's prepacked products take bf16 weights only where the CPU has the instructions for them
+    (AVX512-BW/VL/DQ or AVX-NE-CONVERT); elsewhere bf16 runs on ``F.linear``."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _can_use_bf16_kernel(weight: torch.Tensor) -> bool:
@@ -123,6 +127,10 @@ class QuantLinear:
       (2 threads): 3.1 / 10.0 / 29.3 ms at 1 / 16 / 64 rows, against 7.3 / 13.4 / 36.7 for bf16 :class:`Linear`
       (the block scaling's multiply and two multiply-adds share ``vpdpbusd``'s issue slots: 72% of its rate at
       most, measured by ``fiberserve bench peak``, so ~1.45x bf16 rather than VNNI's 2x);
+    * on CPUs with AVX2 but no AVX512-VNNI (e.g. AMD Zen 3), the same kernel with ``vpmaddubsw`` /
+      ``vpmaddwd`` in place of ``vpdpbusd`` (``quant_tile_avx2.h``; the same bits).  On a 2-core Zen 3:
+      the four decoder shapes at 64 rows 124-184 GOP/s, the 8-bit head 157 GOP/s; a whole forward pass
+      7 ms at 1 row and 127 ms at 64 (PyTorch's int4 kernel below made the engine 40x slower at one row);
     * elsewhere (4 bits only) PyTorch's weight-only int4 kernel (``_weight_int4pack_mm_for_cpu``,
       activations in their dtype): 4.4 ms at one row, but 23 ms at 16 rows and 88 ms at 64.
 
@@ -133,7 +141,7 @@ class QuantLinear:
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None, bits: int = 4
     ) -> None:
         """``weight`` [out, in], best in float32 (its values are quantized); ``dtype``: the activations' dtype
-        (default: the weight's).  ``bits=8`` needs the VNNI kernel (:func:`vnni_available`)."""
+        (default: the weight's).  ``bits=8`` needs the extension's kernel (:func:`quant_kernel_available`)."""
         self.out_features, self.in_features = n, k = weight.shape
         if k % QUANT_GROUP:
             raise ValueError(f"quantized weights need input features divisible by {QUANT_GROUP}, got {k}")
@@ -153,9 +161,9 @@ class QuantLinear:
         else:
             raise ValueError(f"bits must be 4 or 8, got {bits}")
         q = q.to(torch.uint8).view(n, k)
-        self.vnni = weight.device.type == "cpu" and n % 16 == 0 and vnni_available()
-        self.min_rows = 1 if self.vnni else MIN_ROWS
-        if self.vnni:
+        self.native = weight.device.type == "cpu" and n % 16 == 0 and quant_kernel_available()
+        self.min_rows = 1 if self.native else MIN_ROWS
+        if self.native:
             self.weight, self.scales, self.mins = kernels.quant_pack(q, scale, lo, bits)
             self.bias = None if bias is None else bias.float()
         elif bits == 4:  # the kernel computes (q - 8) * scale + zero, scale and zero in the activations' dtype
@@ -163,24 +171,24 @@ class QuantLinear:
             self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
             self.bias = None if bias is None else bias.to(dtype)
         else:
-            raise ValueError("8-bit weights need the AVX512-VNNI kernel")
+            raise ValueError("8-bit weights need the extension's quant_linear kernel (AVX512-VNNI or AVX2)")
 
     def kernel_tensors(self) -> KernelTensors | None:
         """(weight, scales, mins, bias) for :func:`.kernels.decoder_layers` if the product runs on the
         extension's ``quant_linear``, else None."""
-        return (self.weight, self.scales, self.mins, self.bias) if self.vnni else None
+        return (self.weight, self.scales, self.mins, self.bias) if self.native else None
 
     def top_k(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The ``k`` largest outputs of each row of the float32 product, as :func:`.kernels.top_k_rows` would pick
-        them, without writing the product (VNNI kernel, no bias); None elsewhere."""
-        if not self.vnni or self.bias is not None:
+        them, without writing the product (the extension's kernel, no bias); None elsewhere."""
+        if not self.native or self.bias is not None:
             return None
         return kernels.quant_linear_top_k(x, self.weight, self.scales, self.mins, k)
 
     def __call__(self, x: torch.Tensor, wide: bool = False, gated: bool = False) -> torch.Tensor:
-        """``wide=True``: a float32 result from the VNNI kernel; elsewhere the result is in ``x``'s dtype.
-        ``gated=True`` (VNNI kernel only): see :class:`GateUp`."""
-        if self.vnni:
+        """``wide=True``: a float32 result from the extension's kernel; elsewhere the result is in ``x``'s
+        dtype.  ``gated=True`` (the extension's kernel only): see :class:`GateUp`."""
+        if self.native:
             out_dtype = torch.float32 if wide else x.dtype
             return kernels.quant_linear(x, self.weight, self.scales, self.mins, self.bias, out_dtype, gated)
         if gated:
@@ -192,8 +200,8 @@ class QuantLinear:
         return y if self.bias is None else y + self.bias
 
 
-def vnni_available() -> bool:
-    """Whether :func:`.kernels.quant_linear` is built here (the CPU has AVX512-VNNI)."""
+def quant_kernel_available() -> bool:
+    """Whether :func:`.kernels.quant_linear` is built here (the CPU has AVX512-VNNI or AVX2)."""
     kernels.load()
     return kernels.quant_gemm_available()
 
@@ -238,7 +246,7 @@ def _gate_chunk(gate: torch.Tensor, quantization: str, dtype: torch.dtype) -> in
     if gate.device.type != "cpu":
         return None
     if quantization == "int4":
-        chunk, runs = kernels.QUANT_GATE_CHUNK, vnni_available()
+        chunk, runs = kernels.QUANT_GATE_CHUNK, quant_kernel_available()
     else:
         chunk, runs = kernels.BF16_GATE_CHUNK, _can_use_bf16_kernel(gate.to(dtype))
     return chunk if runs and gate.shape[0] % chunk == 0 else None

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from fiberserve.model import kernels
 from fiberserve.model.config import ModelConfig
-from fiberserve.model.linear import GateUp, Linear, QuantLinear, make_linear, vnni_available
+from fiberserve.model.linear import GateUp, Linear, QuantLinear, make_linear, quant_kernel_available
 from fiberserve.model.loader import Checkpoint
 
 #: Key buffers are padded to a multiple of this many positions (see module docstring).
@@ -272,9 +272,9 @@ class LlamaModel:
         self, checkpoint: Checkpoint, dtype: torch.dtype = torch.float32, device="cpu", quantization: str = "none"
     ) -> None:
         """``quantization="int4"``: the decoder layers' weights in Q4_1 blocks and the output head in Q8_0
-        blocks (4-bit where the CPU lacks AVX512-VNNI), computed as llama.cpp does (see :class:`.QuantLinear`;
-        CPU only); embeddings and norms stay in ``dtype``, and the top candidates the head picks are
-        re-scored exactly by :meth:`_refine_top` from the ``dtype`` weights."""
+        blocks (4-bit where the CPU has neither AVX512-VNNI nor AVX2), computed as llama.cpp does (see
+        :class:`.QuantLinear`; CPU only); embeddings and norms stay in ``dtype``, and the top candidates the head
+        picks are re-scored exactly by :meth:`_refine_top` from the ``dtype`` weights."""
         if quantization != "none" and torch.device(device).type != "cpu":
             raise ValueError(f"quantization {quantization!r} runs on CPU only")
         config = checkpoint.config
@@ -287,7 +287,7 @@ class LlamaModel:
         tied = head is None or config.tie_word_embeddings
         self.lm_head = self.embed if tied else head.to(self.device, dtype)
         head = w["model.embed_tokens.weight"] if tied else head
-        head_bits = 8 if quantization != "none" and vnni_available() else 4  # llama.cpp's Q8_0 output head
+        head_bits = 8 if quantization != "none" and quant_kernel_available() else 4  # llama.cpp's Q8_0 output head
         self.logits = make_linear(head.to(self.device), None, quantization, dtype, head_bits)
         self.norm = w["model.norm.weight"].to(device=self.device, dtype=torch.float32)
         self.quantization = quantization

@@ -149,9 +149,10 @@ def test_bf16_linear_matches_float32_and_rows_are_exact_at_any_count():
     assert (wide != out.float()).any()
 
 
-def test_quant_linear_is_built_where_the_cpu_has_avx512_vnni():
+def test_quant_linear_is_built_where_the_cpu_has_avx512_vnni_or_avx2():
     with open("/proc/cpuinfo") as info:
-        assert kernels.quant_gemm_available() == ("avx512_vnni" in info.read())
+        flags = info.read()
+    assert kernels.quant_gemm_available() == ("avx512_vnni" in flags or ("avx2" in flags and "f16c" in flags))
 
 
 def quantized_rows(x: torch.Tensor) -> torch.Tensor:
@@ -163,7 +164,7 @@ def quantized_rows(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inverse) * step).double().view_as(x)
 
 
-@pytest.mark.skipif(not kernels.quant_gemm_available(), reason="this CPU has no AVX512-VNNI")
+@pytest.mark.skipif(not kernels.quant_gemm_available(), reason="this CPU has neither AVX512-VNNI nor AVX2")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quant_linear_is_exact_block_arithmetic_and_rows_are_exact_at_any_count(bits):
     """The result is the float64 product of the dequantized weights and the int8-quantized rows, up to
@@ -279,7 +280,7 @@ def test_refine_top_logits_rescores_the_top_k_as_float64_dot_products(weight_dty
     assert torch.equal(alone[0], refined[4])  # a row alone: the same bits
 
 
-@pytest.mark.skipif(not kernels.quant_gemm_available(), reason="this CPU has no AVX512-VNNI")
+@pytest.mark.skipif(not kernels.quant_gemm_available(), reason="this CPU has neither AVX512-VNNI nor AVX2")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quant_linear_top_k_is_top_k_rows_of_the_product_bit_for_bit(bits):
     """The top k kept as the tiles go equal top_k_rows of the written product: values, indices and the order of

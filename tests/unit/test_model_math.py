@@ -179,15 +179,15 @@ def test_prefill_chunks_and_decode_steps_in_one_call(tiny_dirs):
 def test_quant_linear_recovers_llama_cpp_blocks_and_is_row_invariant(bits, fallback, monkeypatch):
     """Weights built like llama.cpp's Q4_1 blocks (min + step * q, q from 0 to 15, both ends used) or Q8_0
     blocks (step * q, |q| up to 127), steps and minimums in float16, come back exactly: the product is theirs
-    with the activations' rounding.  ``fallback``: the path of CPUs without AVX512-VNNI (PyTorch's int4
+    with the activations' rounding.  ``fallback``: the path of CPUs without the extension's kernel (PyTorch's int4
     kernel, activations unquantized), taken here on purpose."""
     import fiberserve.model.linear as linear_module
-    from fiberserve.model.linear import QUANT_GROUP, QuantLinear, vnni_available
+    from fiberserve.model.linear import QUANT_GROUP, QuantLinear, quant_kernel_available
 
     if fallback:
-        monkeypatch.setattr(linear_module, "vnni_available", lambda: False)
-    elif bits == 8 and not vnni_available():
-        pytest.skip("8-bit blocks need AVX512-VNNI")
+        monkeypatch.setattr(linear_module, "quant_kernel_available", lambda: False)
+    elif bits == 8 and not quant_kernel_available():
+        pytest.skip("8-bit blocks need the extension's kernel (AVX512-VNNI or AVX2)")
     torch.manual_seed(0)
     n, blocks = 48, 3
     if bits == 4:
@@ -201,8 +201,8 @@ def test_quant_linear_recovers_llama_cpp_blocks_and_is_row_invariant(bits, fallb
     weight = weight.view(n, blocks * QUANT_GROUP)
     x = torch.randn(5, blocks * QUANT_GROUP)
     layer = QuantLinear(weight, bits=bits)
-    assert layer.vnni == (not fallback and vnni_available())
-    if layer.vnni:  # llama.cpp's arithmetic: activations in int8 per block of 32
+    assert layer.native == (not fallback and quant_kernel_available())
+    if layer.native:  # llama.cpp's arithmetic: activations in int8 per block of 32
         blocks_of_x = x.view(5, blocks, QUANT_GROUP)
         step = blocks_of_x.abs().amax(-1, keepdim=True) / 127
         x = torch.round(blocks_of_x / step) * step
@@ -237,21 +237,24 @@ def test_layer_loop_in_cpp_gives_the_python_loops_bits(tmp_path, quantization, b
     """``kernels.decoder_layers`` runs the same kernels in the same order as ``_layers_fused``: the same logits
     and the same K/V, bit for bit, for prefill chunks beside decode tokens (bias: Qwen2's qkv bias)."""
     from fiberserve.model import kernels
-    from fiberserve.model.linear import vnni_available
+    from fiberserve.model.linear import quant_kernel_available
 
     kernels.load()
-    if not kernels.bf16_gemm_available() or (quantization == "int4" and not vnni_available()):
-        pytest.skip("the C++ layer loop needs the AVX512-BF16 / AVX512-VNNI products")
+    # bf16 where the CPU has the bf16 products; the int4 products (AVX512-VNNI or AVX2) also take float32 rows.
+    dtype = torch.bfloat16 if kernels.bf16_gemm_available() else torch.float32
+    runs = quant_kernel_available() if quantization == "int4" else dtype == torch.bfloat16
+    if not runs:
+        pytest.skip("the C++ layer loop needs the extension's products: AVX512-BF16, or int4 on AVX512-VNNI / AVX2")
     arch = "Qwen2ForCausalLM" if bias else "LlamaForCausalLM"
     path = write_hf(tmp_path / "m", TINY, random_weights(TINY, bias=bias), arch=arch)
-    model = LlamaModel(load_checkpoint(path, progress=False), torch.bfloat16, quantization=quantization)
+    model = LlamaModel(load_checkpoint(path, progress=False), dtype, quantization=quantization)
     assert model.native_layers is not None
     a, b = TOKENS * 2, TOKENS[:7]
     seqs, start = [(a, [3, 1, 4, 0, 5, 9]), (b, [2, 6])], [13, 6]
     results = []
     for native in (model.native_layers, None):
         model.native_layers = native
-        cache = KVCache(model.config, 16, PAGE, torch.bfloat16, "cpu")
+        cache = KVCache(model.config, 16, PAGE, dtype, "cpu")
         model.forward(prefill_batch([(a[:13], seqs[0][1]), (b[:6], seqs[1][1])]), cache)
         results.append((model.forward(prefill_batch(seqs, start=start), cache), cache.k, cache.v))
     for ours, theirs in zip(*results, strict=True):
@@ -263,10 +266,10 @@ def test_greedy_gives_the_argmax_of_forward(tiny_dirs, quantization):
     """``greedy`` (the int4 head keeps its top candidates as its tiles go; no logits written) picks the first
     maximum of ``forward``'s logits, row by row."""
     from fiberserve.model import kernels
-    from fiberserve.model.linear import vnni_available
+    from fiberserve.model.linear import quant_kernel_available
 
-    if quantization == "int4" and not vnni_available():
-        pytest.skip("the int4 mode's head runs on the AVX512-VNNI kernel")
+    if quantization == "int4" and not quant_kernel_available():
+        pytest.skip("the int4 mode's head runs on the extension's kernel (AVX512-VNNI or AVX2)")
     model = LlamaModel(load_checkpoint(tiny_dirs["gguf"], progress=False), torch.bfloat16, quantization=quantization)
     seqs = [(TOKENS * 2, [3, 1, 4, 0, 5, 9]), (TOKENS[:7], [2, 6])]
     batch = prefill_batch(seqs)

@@ -51,13 +51,14 @@ def load() -> None:
             return
         from torch.utils.cpp_extension import load as load_extension
 
-        # PyTorch rebuilds when a source or a flag changes, not when only a header does: the headers' hash is
-        # passed as a flag so that a changed header rebuilds too.
-        headers = hashlib.sha256(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:16]
+        # The build is named after its sources and headers: checkouts of different versions on one machine
+        # (a clone next to a working tree) each keep their own build instead of rebuilding over the other's,
+        # and a changed header rebuilds too (PyTorch itself only watches the sources and flags).
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in [*_SOURCES, *_HEADERS])).hexdigest()[:16]
         load_extension(
-            name="fiberserve_kernels",
+            name=f"fiberserve_kernels_{digest}",
             sources=[str(s) for s in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DFIBERSERVE_HEADERS={headers}"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )

@@ -30,7 +30,7 @@
 // Batch invariance: a row is quantized on its own, and each output is accumulated block by block in order in its
 // own lane, so a row gets the same bits alone, in any batch, at any row count.
 //
-// Compiled only where the compiler targets AVX512-VNNI; quant_gemm_available() says whether it was.
+// Compiled where the compiler targets AVX512-VNNI, or AVX2 (quant_tile_avx2.h); quant_gemm_available() says whether it was.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -44,13 +44,17 @@
 #include "top_k.h"
 #include "vec16.h"
 
+// The row tiles: AVX512-VNNI's below, or AVX2's (quant_tile_avx2.h, the same bits); the rest of the file serves both.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define FIBERSERVE_QUANT_TILES 512
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define FIBERSERVE_QUANT_TILES 256
 #endif
 
 namespace fiberserve {
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(FIBERSERVE_QUANT_TILES)
 namespace {
 
 constexpr int kBlock = 16;   // output features per packed column block (one zmm of int32 / float32 sums)
@@ -58,6 +62,30 @@ constexpr int kGroup = 32;   // inputs per quantization block
 constexpr int kSteps = 8;    // 4-input steps per quantization block
 constexpr int64_t kCols = 2;  // column blocks per tile: 32 output features
 constexpr int kRows = 6;     // rows per tile: 6 x 2 int32 sums + 6 x 2 float sums
+
+// The rows of x, quantized: xq int8 [M, K], dx and sx float [M, K / 32], and -128 * sum(xq) int32 [M, K / 32].
+struct QuantizedRows {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  const int32_t* offset;  // where Q8_0's integer sums start
+  int64_t K;
+  int64_t blocks;
+};
+
+}  // namespace
+#endif
+
+}  // namespace fiberserve
+
+#if FIBERSERVE_QUANT_TILES == 256
+#include "quant_tile_avx2.h"
+#endif
+
+namespace fiberserve {
+
+#if FIBERSERVE_QUANT_TILES == 512
+namespace {
 
 inline __m512 load_f32(const float* p) { return _mm512_loadu_ps(p); }
 
@@ -81,16 +109,6 @@ inline void store(c10::BFloat16* out, __m512 y) {  // round to nearest even, lik
 }
 
 inline void store(float* out, __m512 y) { _mm512_storeu_ps(out, y); }
-
-// The rows of x, quantized: xq int8 [M, K], dx and sx float [M, K / 32], and -128 * sum(xq) int32 [M, K / 32].
-struct QuantizedRows {
-  const int8_t* q;
-  const float* d;
-  const float* s;
-  const int32_t* offset;  // where Q8_0's integer sums start
-  int64_t K;
-  int64_t blocks;
-};
 
 template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx, int32_t* offset) {
@@ -197,6 +215,12 @@ template <int MR, int NR, bool kNibbles, bool kGated, typename out_t>
       store16(out + r * ldo, silu_times((f32x16)stored(acc[r][0], out), (f32x16)stored(acc[r][1], out)));
   }
 }
+
+}  // namespace
+#endif
+
+#if defined(FIBERSERVE_QUANT_TILES)
+namespace {
 
 // All rows against NR column blocks, a row tile at a time.
 template <int NR, bool kNibbles, bool kGated, typename out_t>
@@ -394,23 +418,23 @@ std::tuple<at::Tensor, at::Tensor> quant_linear_top_k(const at::Tensor& x, const
   return {values, indices};
 }
 
-#else
+#else  // no AVX2
 
 bool quant_gemm_available() { return false; }
 
 at::Tensor quant_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                      const std::optional<at::Tensor>&, at::ScalarType, bool) {
-  TORCH_CHECK(false, "quant_linear: built without AVX512-VNNI");
+  TORCH_CHECK(false, "quant_linear: built without AVX2");
 }
 
 at::Tensor quant_linear_prefetching(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                    const std::optional<at::Tensor>&, at::ScalarType, bool, const PrefetchPlan*) {
-  TORCH_CHECK(false, "quant_linear: built without AVX512-VNNI");
+  TORCH_CHECK(false, "quant_linear: built without AVX2");
 }
 
 std::tuple<at::Tensor, at::Tensor> quant_linear_top_k(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                       const at::Tensor&, int64_t) {
-  TORCH_CHECK(false, "quant_linear: built without AVX512-VNNI");
+  TORCH_CHECK(false, "quant_linear: built without AVX2");
 }
 
 #endif
