@@ -13,6 +13,7 @@ the count, so the bound is optimistic.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from dataclasses import dataclass
@@ -31,7 +32,10 @@ def _extension():
             from torch.utils.cpp_extension import load
 
             source = Path(__file__).with_name("peak.cpp")
-            _module = load(name="fiberserve_peak", sources=[str(source)], extra_cflags=["-O3", "-march=native"])
+            digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]  # one build per version, as the kernels
+            _module = load(
+                name=f"fiberserve_peak_{digest}", sources=[str(source)], extra_cflags=["-O3", "-march=native"]
+            )
         return _module
 
 
