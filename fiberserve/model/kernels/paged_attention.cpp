@@ -74,10 +74,15 @@ inline void load_pair(const c10::BFloat16* p, f32x16& even, f32x16& odd) {  // d
   std::memcpy(&odd, &hi, sizeof odd);
 }
 
-// Dims 16h..16h+15 of a 32-dim chunk from its even and odd halves.
+// Dims 16h..16h+15 of a 32-dim chunk from its even and odd halves (used with AVX512-BF16 only).
 inline f32x16 interleave(f32x16 even, f32x16 odd, int h) {
+#if defined(__AVX512F__)
   return h == 0 ? __builtin_shufflevector(even, odd, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23)
                 : __builtin_shufflevector(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+#else
+  const f32x8 e = h == 0 ? even.lo : even.hi, o = h == 0 ? odd.lo : odd.hi;
+  return {__builtin_shufflevector(e, o, 0, 8, 1, 9, 2, 10, 3, 11), __builtin_shufflevector(e, o, 4, 12, 5, 13, 6, 14, 7, 15)};
+#endif
 }
 
 // The work of rows: for each kv head, the G query heads sharing it against the row's n keys, read in place
@@ -169,7 +174,7 @@ struct Attend {
           f32x16 sum = {};
           for (int64_t j = 0; j < padded; j += kLanes) {
             f32x16 e = exp_nonpositive(load16(s + j) - top);
-            e = lane_index() + static_cast<int32_t>(j) < static_cast<int32_t>(n) ? e : f32x16{};  // padding: 0
+            e = select(lane_index() + static_cast<int32_t>(j) < static_cast<int32_t>(n), e, f32x16{});  // padding: 0
             std::memcpy(s + j, &e, sizeof e);
             sum += e;
           }
@@ -221,13 +226,13 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   at::parallel_for(0, q.size(0), 1, [&](int64_t begin, int64_t end) { work.run(begin, end); });
 }
 
-// attend with the query heads per kv head fixed at compile time for the common groups (bfloat16 only, which the
-// CPU path serves), else at run time.
+// attend with the query heads per kv head fixed at compile time for the common groups (bfloat16, and float32,
+// which CPUs without AVX-512 run), else at run time.
 template <typename scalar_t, int kChunks>
 void attend_grouped(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pages,
                     const at::Tensor& row_span, const at::Tensor& row_keys, int64_t page_size, double scale,
                     at::Tensor& out) {
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+  if constexpr (!std::is_same_v<scalar_t, c10::Half>) {
     switch (q.size(1) / k.size(1)) {
       case 1: return attend<scalar_t, kChunks, 1>(q, k, v, pages, row_span, row_keys, page_size, scale, out);
       case 2: return attend<scalar_t, kChunks, 2>(q, k, v, pages, row_span, row_keys, page_size, scale, out);

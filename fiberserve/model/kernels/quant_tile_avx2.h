@@ -26,6 +26,11 @@ namespace {
 
 inline __m256 cvt_half8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
+// An empty asm that takes v in a register and may change it: the compiler must finish each step's sum before the
+// next instead of reassociating the integer adds (GCC computed all 32 of a block's products first and spilled them
+// to the stack, then added them up: a third of the tile's instructions were stores and reloads).
+inline void in_register(__m256i& v) { __asm__("" : "+x"(v)); }
+
 inline __m256i broadcast4(const int8_t* p) {
   int32_t four;
   std::memcpy(&four, p, sizeof four);
@@ -40,20 +45,24 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, floa
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     // packs_epi32 and packs_epi16 work within 128-bit lanes; this puts the 32 bytes back in order.
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t b = 0; b < blocks; ++b) {
         const T* p = x + r * K + b * kGroup;
-        const f32x16 v0 = load16(p), v1 = load16(p + kBlock);
-        const f32x16 a0 = v0 < 0 ? -v0 : v0, a1 = v1 < 0 ? -v1 : v1;
-        const f32x16 a = a0 > a1 ? a0 : a1;
-        float amax = a[0];
-        for (int l = 1; l < kBlock; ++l) amax = a[l] > amax ? a[l] : amax;
-        const float d = amax / 127.0f;
-        alignas(64) float scaled[kGroup];
-        store16(scaled, v0 * (amax > 0.0f ? 127.0f / amax : 0.0f));
-        store16(scaled + kBlock, v1 * (amax > 0.0f ? 127.0f / amax : 0.0f));
+        alignas(32) float values[kGroup];  // as float32 (a bf16 x widened)
+        store16(values, load16(p));
+        store16(values + kBlock, load16(p + kBlock));
+        __m256 part[4];
+        for (int i = 0; i < 4; ++i) part[i] = _mm256_load_ps(values + 8 * i);
+        __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, part[0]), _mm256_andnot_ps(sign, part[1])),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, part[2]), _mm256_andnot_ps(sign, part[3])));
+        a = _mm256_max_ps(a, _mm256_permute2f128_ps(a, a, 1));
+        a = _mm256_max_ps(a, _mm256_shuffle_ps(a, a, 0x4E));
+        a = _mm256_max_ps(a, _mm256_shuffle_ps(a, a, 0xB1));
+        const float amax = _mm256_cvtss_f32(a), d = amax / 127.0f;
+        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
         __m256i q[4];
-        for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_load_ps(scaled + 8 * i));  // nearest even
+        for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(part[i], inv));  // nearest even
         const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + r * K + b * kGroup),
                             _mm256_permutevar8x32_epi32(bytes, order));
@@ -71,81 +80,50 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, floa
   });
 }
 
-// RR rows (1 to kSubRows) of one column block: float sums for its two halves of 8 outputs, block after block.
-template <int RR, bool kNibbles>
-inline void sub_tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, const c10::Half* d, const c10::Half* m,
-                     __m256 (&acc)[RR][2]) {
+// The tile's MR rows of one half (8 outputs) of a column block: the float sums, block after block, into
+// result[r][0..8).  Walking a half with every row of the tile unpacks each weight load once for MR rows.
+template <int MR, bool kNibbles>
+inline void half_tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, const c10::Half* d, const c10::Half* m,
+                      float* result, int64_t ldr) {
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
-  for (int r = 0; r < RR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int r = 0; r < MR; ++r) _mm256_store_ps(result + r * ldr, _mm256_setzero_ps());
   for (int64_t b = 0; b < x.blocks; ++b) {
-    __m256i sums[RR][2];
-    const int8_t* xb[RR];
-    for (int r = 0; r < RR; ++r) xb[r] = x.q + (row0 + r) * x.K + b * kGroup;
+    __m256i sums[MR];
+    const int8_t* xb = x.q + row0 * x.K + b * kGroup;
     if constexpr (kNibbles) {
-      __m256i s16[RR][2];
-      for (int r = 0; r < RR; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+      __m256i s16[MR];
+      for (int r = 0; r < MR; ++r) s16[r] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
-        const uint8_t* wj = w + (b * 4 + j) * 64;
-        __m256i lo[2], hi[2];
-        for (int h = 0; h < 2; ++h) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj + 32 * h));
-          lo[h] = _mm256_and_si256(v, low);
-          hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        }
-        for (int r = 0; r < RR; ++r) {
-          const __m256i xl = broadcast4(xb[r] + 4 * j), xh = broadcast4(xb[r] + 16 + 4 * j);
-          for (int h = 0; h < 2; ++h)
-            s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl),
-                                                                      _mm256_maddubs_epi16(hi[h], xh)));
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b * 4 + j) * 64));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int r = 0; r < MR; ++r) {
+          const __m256i xl = broadcast4(xb + r * x.K + 4 * j), xh = broadcast4(xb + r * x.K + 16 + 4 * j);
+          s16[r] = _mm256_add_epi16(s16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+          in_register(s16[r]);
         }
       }
-      for (int r = 0; r < RR; ++r)
-        for (int h = 0; h < 2; ++h) sums[r][h] = _mm256_madd_epi16(s16[r][h], ones);
+      for (int r = 0; r < MR; ++r) sums[r] = _mm256_madd_epi16(s16[r], ones);
     } else {
-      for (int r = 0; r < RR; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+      for (int r = 0; r < MR; ++r) sums[r] = _mm256_setzero_si256();
       for (int s = 0; s < kSteps; ++s) {
-        const uint8_t* ws = w + (b * kSteps + s) * 64;
-        __m256i mag[2], sign[2];
-        for (int h = 0; h < 2; ++h) {
-          sign[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + 32 * h)), flip);
-          mag[h] = _mm256_abs_epi8(sign[h]);  // |q|, read unsigned: 128 for q = -128
-        }
-        for (int r = 0; r < RR; ++r) {
-          const __m256i xv = broadcast4(xb[r] + 4 * s);
-          for (int h = 0; h < 2; ++h) {
-            const __m256i pairs = _mm256_maddubs_epi16(mag[h], _mm256_sign_epi8(xv, sign[h]));
-            sums[r][h] = _mm256_add_epi32(sums[r][h], _mm256_madd_epi16(pairs, ones));
-          }
+        const __m256i sign = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b * kSteps + s) * 64)), flip);
+        const __m256i mag = _mm256_abs_epi8(sign);  // |q|, read unsigned: 128 for q = -128
+        for (int r = 0; r < MR; ++r) {
+          const __m256i pairs = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(broadcast4(xb + r * x.K + 4 * s), sign));
+          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs, ones));
+          in_register(sums[r]);
         }
       }
     }
-    for (int h = 0; h < 2; ++h) {
-      const __m256 dv = cvt_half8(d + b * kBlock + 8 * h);
-      const __m256 mv = kNibbles ? cvt_half8(m + b * kBlock + 8 * h) : _mm256_setzero_ps();
-      for (int r = 0; r < RR; ++r) {
-        const int64_t at = (row0 + r) * x.blocks + b;
-        if constexpr (kNibbles) acc[r][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(x.s[at]), acc[r][h]);
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][h]), _mm256_mul_ps(dv, _mm256_set1_ps(x.d[at])), acc[r][h]);
-      }
+    const __m256 dv = cvt_half8(d + b * kBlock);
+    const __m256 mv = kNibbles ? cvt_half8(m + b * kBlock) : _mm256_setzero_ps();
+    for (int r = 0; r < MR; ++r) {
+      const int64_t at = (row0 + r) * x.blocks + b;
+      __m256 acc = _mm256_load_ps(result + r * ldr);
+      if constexpr (kNibbles) acc = _mm256_fmadd_ps(mv, _mm256_set1_ps(x.s[at]), acc);
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(dv, _mm256_set1_ps(x.d[at])), acc);
+      _mm256_store_ps(result + r * ldr, acc);
     }
-  }
-}
-
-constexpr int kSubRows = 2;  // rows per pass over a column block (see the registers note above)
-
-// The tile's rows [first, MR) of column block c into result, RR rows a pass, then fewer for what is left.
-template <int RR, bool kNibbles, int MR, int NR>
-inline void rows_by(const QuantizedRows& x, int64_t row0, int first, const uint8_t* w, const c10::Half* d,
-                    const c10::Half* m, float (&result)[MR][NR][kBlock], int c) {
-  int r = first;
-  for (; r + RR <= MR; r += RR) {
-    __m256 acc[RR][2];
-    sub_tile<RR, kNibbles>(x, row0 + r, w, d, m, acc);
-    for (int i = 0; i < RR; ++i)
-      for (int h = 0; h < 2; ++h) _mm256_store_ps(result[r + i][c] + 8 * h, acc[i][h]);
-  }
-  if constexpr (RR > 1) {
-    if (r < MR) rows_by<RR - 1, kNibbles>(x, row0, r, w, d, m, result, c);
   }
 }
 
@@ -163,12 +141,10 @@ template <int MR, int NR, bool kNibbles, bool kGated, typename out_t>
 [[gnu::noinline]] void tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, int64_t w_stride, const c10::Half* d,
                             const c10::Half* m, int64_t dm_stride, const float* bias, out_t* out, int64_t ldo) {
   alignas(64) float result[MR][NR][kBlock];
-  for (int c = 0; c < NR; ++c) {
-    const uint8_t* wc = w + c * w_stride;
-    const c10::Half* dc = d + c * dm_stride;
-    const c10::Half* mc = kNibbles ? m + c * dm_stride : nullptr;
-    rows_by<kSubRows, kNibbles>(x, row0, 0, wc, dc, mc, result, c);
-  }
+  for (int c = 0; c < NR; ++c)
+    for (int h = 0; h < 2; ++h)
+      half_tile<MR, kNibbles>(x, row0, w + c * w_stride + 32 * h, d + c * dm_stride + 8 * h,
+                              kNibbles ? m + c * dm_stride + 8 * h : nullptr, result[0][c] + 8 * h, NR * kBlock);
   for (int r = 0; r < MR; ++r) {
     f32x16 y[NR];
     for (int c = 0; c < NR; ++c) {

@@ -12,15 +12,6 @@
 
 namespace fiberserve {
 
-// Whether any lane of a comparison result (0 or -1 per lane) is set.
-inline bool any_lane(i32x16 m) {
-  m |= __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
-  m |= __builtin_shufflevector(m, m, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7);
-  m |= __builtin_shufflevector(m, m, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-  m |= __builtin_shufflevector(m, m, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1);
-  return m[0] != 0;
-}
-
 // The k largest values offered so far (k <= kMax), largest first; equal values in the order they were offered,
 // so offering a row's values in index order keeps torch.argmax's first maximum first.  NaN is never kept; an
 // entry not filled has index -1.  Two lists of disjoint index ranges merge by offering the lower range's entries,

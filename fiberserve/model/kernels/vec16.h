@@ -1,5 +1,7 @@
-// 16-lane float32 vectors for the CPU kernels (GCC/Clang vector extensions: one AVX-512 register, or two AVX2
-// ones, with no intrinsics and no ISA lock-in), and the loads, stores and reductions the kernels share.
+// 16-lane float32 vectors for the CPU kernels (GCC/Clang vector extensions, no intrinsics: one AVX-512 register,
+// or on other CPUs two 8-lane halves, vec16_halves.h), and the loads, stores and reductions the kernels share.
+// Code on these types writes a lane-wise choice as select(mask, a, b) and a conversion as convert<To>(v), which
+// both representations provide.
 //
 // Every reduction here runs in a fixed order (16 partial sums, then a halving tree), so a row's result depends
 // only on the row: never on the batch around it, the thread that runs it or the row count.
@@ -14,11 +16,32 @@
 
 namespace fiberserve {
 
-// 16 float32 lanes (one AVX-512 register; GCC/Clang vector extensions, so no intrinsics and no ISA lock-in).
+#if defined(__AVX512F__)
+// 16 lanes: one AVX-512 register (GCC/Clang vector extensions).
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+template <typename To, typename From>
+inline To convert(From v) {
+  return __builtin_convertvector(v, To);
+}
+
+template <typename M, typename V>
+inline V select(M mask, V a, V b) {
+  return mask ? a : b;
+}
+#endif
+
+}  // namespace fiberserve
+
+#if !defined(__AVX512F__)
+#include "vec16_halves.h"  // the same types as two 8-lane halves, and the shuffles below for them
+#endif
+
+namespace fiberserve {
+
 constexpr int kLanes = 16;
 
 inline f32x16 load16(const float* p) {
@@ -31,7 +54,7 @@ inline f32x16 load16(const float* p) {
 inline f32x16 load16(const c10::BFloat16* p) {
   u16x16 half;
   std::memcpy(&half, p, sizeof half);
-  const u32x16 bits = __builtin_convertvector(half, u32x16) << 16;
+  const u32x16 bits = convert<u32x16>(half) << 16;
   f32x16 v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
@@ -43,6 +66,7 @@ inline f32x16 load16(const c10::Half* p) {
   return load16(wide);
 }
 
+#if defined(__AVX512F__)  // (vec16_halves.h has these for the halves)
 // The sum of the 16 lanes in a fixed order (a halving tree: lane l += lane l + 8, then + 4, + 2, + 1): the same
 // bits wherever it runs.
 inline float lane_sum(f32x16 v) {
@@ -86,6 +110,16 @@ inline f32x16 lane_sums16(const f32x16 (&v)[kLanes]) {
 
 inline i32x16 lane_index() { return i32x16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
 
+// Whether any lane of a comparison result (0 or -1 per lane) is set.
+inline bool any_lane(i32x16 m) {
+  m |= __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+  m |= __builtin_shufflevector(m, m, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7);
+  m |= __builtin_shufflevector(m, m, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+  m |= __builtin_shufflevector(m, m, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1);
+  return m[0] != 0;
+}
+#endif
+
 // The largest of p[0..n), n >= 1, reading whole vectors (p must hold n rounded up to 16 floats).  A maximum is
 // the same whichever order it is taken in, so this is exactly the scalar loop's result, without its chain of
 // dependent compares (~9% of paged attention's time at 100 keys).
@@ -95,8 +129,8 @@ inline float max_of(const float* p, int64_t n) {
   for (int64_t j = 0; j < n; j += kLanes) {
     f32x16 v;
     std::memcpy(&v, p + j, sizeof v);
-    v = lane_index() + static_cast<int32_t>(j) < static_cast<int32_t>(n) ? v : lowest;
-    best = v > best ? v : best;
+    v = select(lane_index() + static_cast<int32_t>(j) < static_cast<int32_t>(n), v, lowest);
+    best = select(v > best, v, best);
   }
   float top = best[0];
   for (int l = 1; l < kLanes; ++l) top = best[l] > top ? best[l] : top;
@@ -107,7 +141,7 @@ inline float max_of(const float* p, int64_t n) {
 // Taylor polynomial (relative error < 2e-7), 2^k through the exponent bits.  Results below 2^-126 are flushed.
 inline f32x16 exp_nonpositive(f32x16 x) {
   const f32x16 floor = x * 0.0f - 87.0f;
-  x = x < floor ? floor : x;
+  x = select(x < floor, floor, x);
   f32x16 k = x * 1.44269504088896341f;
   k = (k + 12582912.0f) - 12582912.0f;  // round to nearest even (1.5 * 2^23: |k| < 2^22), as rintf does
   const f32x16 r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
@@ -119,7 +153,7 @@ inline f32x16 exp_nonpositive(f32x16 x) {
   p = p * r + 1.0f;
   u32x16 bits;
   std::memcpy(&bits, &p, sizeof bits);
-  bits += __builtin_convertvector(__builtin_convertvector(k, i32x16), u32x16) << 23;
+  bits += convert<u32x16>(convert<i32x16>(k)) << 23;
   std::memcpy(&p, &bits, sizeof p);
   return p;
 }
@@ -127,8 +161,8 @@ inline f32x16 exp_nonpositive(f32x16 x) {
 // silu(g) * u, silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) so that the exponent is never positive.  silu_mul
 // and the linear kernels' gated epilogue both compute it here, so they give the same bits.
 inline f32x16 silu_times(f32x16 g, f32x16 u) {
-  const f32x16 e = exp_nonpositive(g < 0 ? g : -g);
-  const f32x16 sigmoid = (g < 0 ? e : e * 0.0f + 1.0f) / (e + 1.0f);
+  const f32x16 e = exp_nonpositive(select(g < 0.0f, g, -g));
+  const f32x16 sigmoid = select(g < 0.0f, e, e * 0.0f + 1.0f) / (e + 1.0f);
   return g * sigmoid * u;
 }
 
@@ -140,7 +174,7 @@ inline void store16(c10::BFloat16* p, f32x16 v) {
   std::memcpy(&bits, &v, sizeof bits);
   const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
   const u32x16 quiet = (bits >> 16) | 0x40u;
-  const u16x16 half = __builtin_convertvector(v != v ? quiet : rounded, u16x16);
+  const u16x16 half = convert<u16x16>(select(v != v, quiet, rounded));
   std::memcpy(p, &half, sizeof half);
 }
 
