@@ -39,7 +39,7 @@ class FlightItem:
     @property
     def scored_prompt(self) -> range:
         """The positions of this chunk whose logits score the next prompt token (for ``prompt_logprobs``)."""
-        if self.seq.prompt_logprobs is None:
+        if not self.seq.scores_prompt:
             return range(0)
         return range(self.start, min(self.start + self.length, len(self.seq.prompt_ids) - 1))
 

@@ -75,7 +75,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> bool:
         # A prompt being scored is computed whole: cached pages would skip the rows that score it.
-        matched = self.pages.match_prefix(seq.tokens) if seq.prompt_logprobs is None else []
+        matched = [] if seq.scores_prompt else self.pages.match_prefix(seq.tokens)
         first_admission = seq.preemptions == 0
         seq.pages, seq.num_computed = matched, len(matched) * self.pages.page_size
         seq.registered_pages = len(matched)

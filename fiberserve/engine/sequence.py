@@ -80,6 +80,8 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             None if params.prompt_logprobs is None else [None] * len(prompt_ids)
         )
+        #: Whether this sequence's prompt rows compute ``prompt_logprobs`` (see :meth:`share_prompt_scores`).
+        self.scores_prompt = self.prompt_logprobs is not None
         self.detokenizer = detokenizer
         self.text = ""  #: text released to the consumer
         self.held = ""  #: text not yet released: it may be the start of a stop string
@@ -95,6 +97,12 @@ class Sequence:
         self.finish_time: float | None = None
         self.preemptions = 0
         self.events: asyncio.Queue[SequenceEvent] = asyncio.Queue()
+
+    def share_prompt_scores(self, scorer: Sequence) -> None:
+        """Take ``scorer``'s prompt logprobs (the same list, filled as it computes them) instead of computing
+        them again: a request's n sequences share one prompt, so one of them scores it.  This one's prompt may
+        then come from the prefix cache."""
+        self.prompt_logprobs, self.scores_prompt = scorer.prompt_logprobs, False
 
     @property
     def tokens(self) -> list[int]:

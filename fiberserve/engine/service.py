@@ -277,9 +277,10 @@ class LlmService:
         if grammar is not None:
             for seq in seqs:
                 seq.grammar = GrammarState(grammar, seq.stop_ids)
-        scores_prompt = params.prompt_logprobs is not None and len(prompt_ids) > 1
+        for seq in seqs[1:]:
+            seq.share_prompt_scores(seqs[0])
         for seq in seqs:
-            if seq.max_tokens <= 0 and not scores_prompt:  # nothing to compute: finished at once with "length"
+            if seq.max_tokens <= 0 and not (seq.scores_prompt and len(prompt_ids) > 1):  # finished at once: "length"
                 self.scheduler.finish(seq, FinishReason.LENGTH)
             else:
                 self.scheduler.add(seq)

@@ -207,6 +207,28 @@ async def test_prompt_logprobs_score_a_prompt_as_generation_scored_its_tokens(en
         await svc.close()
 
 
+async def test_n_sequences_share_one_scoring_of_their_prompt(engine):
+    prompt = engine.chat_prompts(1)[0]
+    alone = (await engine.run([prompt], SamplingParams(max_new_tokens=0, prompt_logprobs=1)))[0].outputs[0]
+    svc = engine.service(fibers=1)
+    await svc.start()
+    try:
+        await svc.generate(prompt, SamplingParams(max_new_tokens=1, temperature=0))  # the prompt's pages cached
+        params = SamplingParams(max_new_tokens=3, temperature=0.8, seed=5, n=3, prompt_logprobs=1)
+        three = await svc.generate(prompt, params)
+        # One sequence computed the prompt whole to score it; its siblings took theirs from the prefix cache.
+        assert three.cached_tokens > 0
+        for out in three.outputs:
+            assert len(out.token_ids) == 3
+            assert [(lp and (lp.token_id, lp.logprob, lp.top)) for lp in out.prompt_logprobs] == [
+                (lp and (lp.token_id, lp.logprob, lp.top)) for lp in alone.prompt_logprobs
+            ]
+        await asyncio.sleep(0)
+        svc.check_integrity()
+    finally:
+        await svc.close()
+
+
 async def test_logprobs_are_returned_for_chosen_tokens(engine):
     out = (
         await engine.run(

@@ -175,7 +175,7 @@ struct Attend {
           for (int64_t j = 0; j < padded; j += kLanes) {
             f32x16 e = exp_nonpositive(load16(s + j) - top);
             e = select(lane_index() + static_cast<int32_t>(j) < static_cast<int32_t>(n), e, f32x16{});  // padding: 0
-            std::memcpy(s + j, &e, sizeof e);
+            store16(s + j, e);
             sum += e;
           }
           total[g] = lane_sum(sum);

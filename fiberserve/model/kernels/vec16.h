@@ -32,6 +32,24 @@ template <typename M, typename V>
 inline V select(M mask, V a, V b) {
   return mask ? a : b;
 }
+
+// The bits of v as another 16-lane type of the same size.
+template <typename To, typename From>
+inline To vector_cast(From v) {
+  return (To)v;
+}
+
+template <typename V>
+inline V load_vector(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <typename V>
+inline void store_vector(void* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
 #endif
 
 }  // namespace fiberserve
@@ -44,20 +62,11 @@ namespace fiberserve {
 
 constexpr int kLanes = 16;
 
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+inline f32x16 load16(const float* p) { return load_vector<f32x16>(p); }
 
 // bfloat16 is the top half of a float32: widen and shift.
 inline f32x16 load16(const c10::BFloat16* p) {
-  u16x16 half;
-  std::memcpy(&half, p, sizeof half);
-  const u32x16 bits = convert<u32x16>(half) << 16;
-  f32x16 v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
+  return vector_cast<f32x16>(convert<u32x16>(load_vector<u16x16>(p)) << 16);
 }
 
 inline f32x16 load16(const c10::Half* p) {
@@ -127,8 +136,7 @@ inline float max_of(const float* p, int64_t n) {
   const f32x16 lowest = f32x16{} - __builtin_inff();
   f32x16 best = lowest;
   for (int64_t j = 0; j < n; j += kLanes) {
-    f32x16 v;
-    std::memcpy(&v, p + j, sizeof v);
+    f32x16 v = load16(p + j);
     v = select(lane_index() + static_cast<int32_t>(j) < static_cast<int32_t>(n), v, lowest);
     best = select(v > best, v, best);
   }
@@ -151,11 +159,7 @@ inline f32x16 exp_nonpositive(f32x16 x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  u32x16 bits;
-  std::memcpy(&bits, &p, sizeof bits);
-  bits += convert<u32x16>(convert<i32x16>(k)) << 23;
-  std::memcpy(&p, &bits, sizeof p);
-  return p;
+  return vector_cast<f32x16>(vector_cast<u32x16>(p) + (convert<u32x16>(convert<i32x16>(k)) << 23));
 }
 
 // silu(g) * u, silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) so that the exponent is never positive.  silu_mul
@@ -166,16 +170,14 @@ inline f32x16 silu_times(f32x16 g, f32x16 u) {
   return g * sigmoid * u;
 }
 
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+inline void store16(float* p, f32x16 v) { store_vector(p, v); }
 
 // Round to nearest even, as PyTorch does (NaN stays NaN).
 inline void store16(c10::BFloat16* p, f32x16 v) {
-  u32x16 bits;
-  std::memcpy(&bits, &v, sizeof bits);
+  const u32x16 bits = vector_cast<u32x16>(v);
   const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
   const u32x16 quiet = (bits >> 16) | 0x40u;
-  const u16x16 half = convert<u16x16>(select(v != v, quiet, rounded));
-  std::memcpy(p, &half, sizeof half);
+  store_vector(p, convert<u16x16>(select(v != v, quiet, rounded)));
 }
 
 inline void store16(c10::Half* p, f32x16 v) {

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 namespace fiberserve {
@@ -94,6 +95,27 @@ inline To convert(Halves<H> v) {
 template <typename M, typename H>
 inline Halves<H> select(Halves<M> mask, Halves<H> a, Halves<H> b) {
   return {mask.lo ? a.lo : b.lo, mask.hi ? a.hi : b.hi};
+}
+
+// The bits of v as another 16-lane type of the same size.
+template <typename To, typename H>
+inline To vector_cast(Halves<H> v) {
+  return {(typename To::Half)v.lo, (typename To::Half)v.hi};
+}
+
+// Loads and stores half by half: GCC copied a whole struct through the stack, 16 bytes at a time.
+template <typename V>
+inline V load_vector(const void* p) {
+  typename V::Half lo, hi;
+  std::memcpy(&lo, p, sizeof lo);
+  std::memcpy(&hi, static_cast<const char*>(p) + sizeof lo, sizeof hi);
+  return {lo, hi};
+}
+
+template <typename H>
+inline void store_vector(void* p, Halves<H> v) {
+  std::memcpy(p, &v.lo, sizeof v.lo);
+  std::memcpy(static_cast<char*>(p) + sizeof v.lo, &v.hi, sizeof v.hi);
 }
 
 inline i32x16 lane_index() { return {i32x8{0, 1, 2, 3, 4, 5, 6, 7}, i32x8{8, 9, 10, 11, 12, 13, 14, 15}}; }
