@@ -129,7 +129,7 @@ class QuantLinear:
       most, measured by ``fiberserve bench peak``, so ~1.45x bf16 rather than VNNI's 2x);
     * on CPUs with AVX2 but no AVX512-VNNI (e.g. AMD Zen 3), the same kernel with ``vpmaddubsw`` /
       ``vpmaddwd`` in place of ``vpdpbusd`` (``quant_tile_avx2.h``; the same bits).  On a 2-core Zen 3:
-      the four decoder shapes at 64 rows ~145-210 GOP/s, the 8-bit head ~135 GOP/s (2 threads; PyTorch's
+      the four decoder shapes at 64 rows ~220-300 GOP/s, the 8-bit head ~120-135 GOP/s (2 threads; PyTorch's
       int4 kernel below made the engine 40x slower at one row);
     * elsewhere (4 bits only) PyTorch's weight-only int4 kernel (``_weight_int4pack_mm_for_cpu``,
       activations in their dtype): 4.4 ms at one row, but 23 ms at 16 rows and 88 ms at 64.
