@@ -7,8 +7,10 @@
   kernels (no Python frame or dispatcher call per kernel).
 
 Every kernel computes a row from that row alone, in a fixed order (``vec16.h``), so the rows are batch
-invariant in every dtype.  The sources are plain C++ with GCC/Clang vector extensions (no intrinsics);
-``-march=native`` picks AVX-512 where the CPU has it.
+invariant in every dtype.  The sources are plain C++ with GCC/Clang vector extensions (intrinsics only for
+instructions they cannot spell: the products' tiles, vdpbf16ps); ``-march=native`` picks AVX-512 where the
+CPU has it, and elsewhere the 16-lane vectors are pairs of 8-lane halves (``vec16_halves.h``: GCC compiles
+the 64-byte vector type to scalar code there).
 
 :func:`load` builds them (about 30 s the first time; later processes reuse the build under
 ``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``) and registers ``torch.ops.fiberserve.*``.  It needs
