@@ -30,6 +30,7 @@ from fiberserve.engine.runner import Flight, ModelRunner
 from fiberserve.engine.sampling_params import InvalidParameter, SamplingParams
 from fiberserve.engine.scheduler import Scheduler
 from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent, TokenLogprob
+from fiberserve.model import kernels
 from fiberserve.model.assets import DEFAULT_MODEL_NAME, default_model_path
 from fiberserve.model.llama import KVCache, LlamaModel
 from fiberserve.model.loader import load_checkpoint
@@ -44,7 +45,9 @@ class QueueFull(RuntimeError):
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """``auto`` is bfloat16 where the hardware computes it natively, else float32."""
+    """``auto`` is bfloat16 where its products run fast: a GPU that computes bf16, or a CPU where the kernels'
+    bf16 product was built (AVX512-BF16's ``vdpbf16ps``, or AVX2 multiply-adds with the same arithmetic, which
+    read half the bytes of float32 weights); else float32."""
     if name in ("float32", "fp32"):
         return torch.float32
     if name in ("bfloat16", "bf16"):
@@ -53,11 +56,8 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
         raise ValueError(f"--dtype must be float32, bfloat16 or auto, got {name!r}")
     if device.startswith("cuda"):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return torch.float32
-    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+    kernels.load()
+    return torch.bfloat16 if kernels.bf16_gemm_available() else torch.float32
 
 
 @dataclass

@@ -1,10 +1,14 @@
 """The C++ CPU kernels against plain PyTorch, and their batch invariance (bit-identical rows)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fiberserve.model import kernels
+
+CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split())
 
 kernels.load()
 PAGE = 4
@@ -117,12 +121,30 @@ def test_silu_mul(dtype):
     assert torch.equal(kernels.silu_mul(gate_up[1:2])[0], out[1])
 
 
-def test_bf16_linear_is_built_where_the_cpu_has_avx512_bf16():
-    with open("/proc/cpuinfo") as info:
-        assert kernels.bf16_gemm_available() == ("avx512_bf16" in info.read())
+def test_bf16_linear_is_built_where_the_cpu_has_avx512_bf16_or_avx2():
+    assert kernels.bf16_gemm_available() == ("avx512_bf16" in CPU_FLAGS or {"avx2", "fma"} <= CPU_FLAGS)
 
 
-@pytest.mark.skipif(not kernels.bf16_gemm_available(), reason="this CPU has no AVX512-BF16")
+@pytest.mark.skipif(
+    not kernels.bf16_gemm_available() or "avx512_bf16" in CPU_FLAGS,
+    reason="checks the AVX2 tile; vdpbf16ps rounds as the hardware does",
+)
+def test_bf16_linear_on_avx2_adds_each_pair_odd_then_even_as_vdpbf16ps_pseudo_code():
+    """Per output, in float32: acc += x[2p+1] w[2p+1], then acc += x[2p] w[2p], pair after pair (a product of two
+    bf16 is exact in float32, so only the additions round)."""
+    torch.manual_seed(5)
+    weight, x = torch.randn(48, 96).bfloat16(), torch.randn(7, 96).bfloat16()
+    xf, wf = x.float(), weight.float()
+    acc = torch.zeros(7, 48)
+    for p in range(48):
+        acc = acc + xf[:, 2 * p + 1 : 2 * p + 2] * wf[:, 2 * p + 1]
+        acc = acc + xf[:, 2 * p : 2 * p + 1] * wf[:, 2 * p]
+    out = kernels.bf16_linear(x, kernels.bf16_pack(weight), None, torch.float32)
+    assert torch.equal(out, acc)
+    assert not torch.equal(out, xf @ wf.t())  # another order rounds differently somewhere
+
+
+@pytest.mark.skipif(not kernels.bf16_gemm_available(), reason="this CPU has neither AVX512-BF16 nor AVX2")
 def test_bf16_linear_matches_float32_and_rows_are_exact_at_any_count():
     """144 outputs = column groups of 4, 4 and 1 blocks: with 2 threads the work splits inside a group (by
     row tiles from 7 rows on, by blocks below), and no split may change a row's bits."""
@@ -137,7 +159,7 @@ def test_bf16_linear_matches_float32_and_rows_are_exact_at_any_count():
         expected = x.float() @ weight.float().t() + bias
         assert out.dtype == torch.bfloat16 and out.shape == (13, 144)
         torch.testing.assert_close(out.float(), expected, atol=0.1, rtol=1e-2)
-        for rows in range(1, 13):  # tiles of 6 rows, remainders 1-5: the same bits for every row
+        for rows in range(1, 13):  # tiles of 6 (AVX-512) or 4 rows: the same bits for every row
             assert torch.equal(kernels.bf16_linear(x[:rows], packed, bias), out[:rows])
         assert torch.equal(kernels.bf16_linear(x[7:8], packed, bias)[0], out[7])
         torch.set_num_threads(1)
@@ -150,9 +172,7 @@ def test_bf16_linear_matches_float32_and_rows_are_exact_at_any_count():
 
 
 def test_quant_linear_is_built_where_the_cpu_has_avx512_vnni_or_avx2():
-    with open("/proc/cpuinfo") as info:
-        flags = info.read()
-    assert kernels.quant_gemm_available() == ("avx512_vnni" in flags or ("avx2" in flags and "f16c" in flags))
+    assert kernels.quant_gemm_available() == ("avx512_vnni" in CPU_FLAGS or {"avx2", "f16c"} <= CPU_FLAGS)
 
 
 def quantized_rows(x: torch.Tensor) -> torch.Tensor:
@@ -328,7 +348,7 @@ def test_refined_argmax_is_the_argmax_of_the_refined_logits(weight_dtype):
     assert bool((picked == rest).any()) and bool((picked != rest).any())
 
 
-@pytest.mark.skipif(not kernels.bf16_gemm_available(), reason="this CPU has no AVX512-BF16")
+@pytest.mark.skipif(not kernels.bf16_gemm_available(), reason="this CPU has neither AVX512-BF16 nor AVX2")
 def test_bf16_linear_top_k_is_top_k_rows_of_the_product_bit_for_bit():
     """As for quant_linear_top_k: one row tile (the column split) and several (the (group, row tile) split), with
     outputs 5 and 300 tied in every row."""

@@ -7,7 +7,8 @@
 // any batch and at any row count (no one-row special path, unlike oneDNN's matrix-vector kernel).
 //
 // Speed (2 cores, SmolLM2-135M's 120 decoder products per step, bf16): see fiberserve/model/linear.py.
-// Compiled only where the compiler targets AVX512-BF16; bf16_gemm_available() says whether it was.
+// The row tiles: AVX512-BF16's below, or AVX2's (bf16_tile_avx2.h, vdpbf16ps's arithmetic by multiply-adds); the
+// rest of the file serves both.  bf16_gemm_available() says whether either was compiled.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,12 +24,16 @@
 #include "vec16.h"
 
 #if defined(__AVX512BF16__)
+#define FIBERSERVE_BF16_TILES 512
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define FIBERSERVE_BF16_TILES 256
+#include "bf16_tile_avx2.h"
 #endif
 
 namespace fiberserve {
 
-#if defined(__AVX512BF16__)
+#if FIBERSERVE_BF16_TILES == 512
 namespace {
 
 constexpr int kBlock = 16;  // output features per packed block (one zmm of float32 sums)
@@ -78,6 +83,12 @@ template <int MR, int NR, bool kGated, typename out_t>
         store16(out + r * ldo + c * kBlock,
                 silu_times((f32x16)stored(acc[r][c], out), (f32x16)stored(acc[r][c + NR / 2], out)));
 }
+
+}  // namespace
+#endif
+
+#if defined(FIBERSERVE_BF16_TILES)
+namespace {
 
 // All rows against NR blocks, a row tile at a time.
 template <int NR, bool kGated, typename out_t>
@@ -236,19 +247,19 @@ std::tuple<at::Tensor, at::Tensor> bf16_linear_top_k(const at::Tensor& x, const 
 
 bool bf16_gemm_available() { return false; }
 
-at::Tensor bf16_pack(const at::Tensor&) { TORCH_CHECK(false, "bf16_pack: built without AVX512-BF16"); }
+at::Tensor bf16_pack(const at::Tensor&) { TORCH_CHECK(false, "bf16_pack: built without AVX2 or AVX512-BF16"); }
 
 at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, at::ScalarType, bool) {
-  TORCH_CHECK(false, "bf16_linear: built without AVX512-BF16");
+  TORCH_CHECK(false, "bf16_linear: built without AVX2 or AVX512-BF16");
 }
 
 at::Tensor bf16_linear_prefetching(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                    at::ScalarType, bool, const PrefetchPlan*) {
-  TORCH_CHECK(false, "bf16_linear: built without AVX512-BF16");
+  TORCH_CHECK(false, "bf16_linear: built without AVX2 or AVX512-BF16");
 }
 
 std::tuple<at::Tensor, at::Tensor> bf16_linear_top_k(const at::Tensor&, const at::Tensor&, int64_t) {
-  TORCH_CHECK(false, "bf16_linear: built without AVX512-BF16");
+  TORCH_CHECK(false, "bf16_linear: built without AVX2 or AVX512-BF16");
 }
 
 #endif

@@ -127,15 +127,6 @@ inline void half_tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, co
   }
 }
 
-// What a product rounded to out_t hands the next kernel, read back as float32.
-inline f32x16 stored16(f32x16 y, const c10::BFloat16*) {
-  c10::BFloat16 rounded[kBlock];
-  store16(rounded, y);
-  return load16(rounded);
-}
-
-inline f32x16 stored16(f32x16 y, const float*) { return y; }
-
 // The AVX-512 tile's contract (see quant_gemm.cpp): MR rows x NR column blocks of the product, plus bias, to out.
 template <int MR, int NR, bool kNibbles, bool kGated, typename out_t>
 [[gnu::noinline]] void tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, int64_t w_stride, const c10::Half* d,

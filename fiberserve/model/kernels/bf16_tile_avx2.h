@@ -1,0 +1,101 @@
+// bf16_gemm.cpp's row tile for CPUs with AVX2 and FMA but no AVX512-BF16 (e.g. AMD Zen 3): the same packed layout
+// ([N / 16][K / 2][16][2]) and vdpbf16ps's arithmetic done by hand.
+//
+// vdpbf16ps adds, per float32 lane, the product of the odd bf16 pair members and then that of the even ones (the
+// order of Intel's pseudo-code, each addition rounded to nearest even).  A bf16 is the top half of a float32, and
+// the product of two has at most 16 significant bits, so it is exact in float32: a fused multiply-add per member,
+// odd then even, rounds each addition exactly as that pseudo-code does.  (vdpbf16ps also treats denormal inputs
+// and results as zero, which a multiply-add does not; activations and weights of a served model are not
+// denormal.)  Every output is still accumulated over k in order in its own lane, so rows stay batch invariant.
+//
+// Registers: 16 ymm.  A column block's two halves for 5 rows take 10 float sums, the block's weights widened to
+// float32 4 (even and odd k, per half) and a broadcast 1: the tile walks its column blocks one at a time, 5 rows
+// at once, into a buffer the epilogue reads.  The rows are widened to float32 once per tile, so a broadcast is a
+// plain load (the layout of a BLIS-style 6 x 16 float32 kernel, which ran no faster).  Weights: a column group
+// of 4 blocks is 64 outputs x K bf16 (74 KB at K = 576), read from L2 by each row tile.  One core of a Zen 3,
+// block sums of 64 rows x 64 outputs x 576 from cache: 104 GFLOP/s (4 rows, or broadcasting and widening the
+// bf16 pairs in registers: 77-96; the float32 6 x 16 kernel 106).
+
+#pragma once
+
+#include <immintrin.h>
+
+namespace fiberserve {
+namespace {
+
+constexpr int kBlock = 16;  // output features per packed block (two ymm of float32 sums)
+constexpr int kCols = 4;    // blocks per column group: 64 output features
+constexpr int kRows = 5;    // rows per tile: 5 x 2 sums, 4 widened weight vectors, a broadcast
+
+// A float broadcast to 8 lanes, loaded here and now (GCC would otherwise keep the broadcasts of a row tile in
+// registers for the next k pair's, and push the sums onto the stack).
+inline __m256 broadcast(const float* p) {
+  __m256 v;
+  __asm__ volatile("vbroadcastss %1, %0" : "=x"(v) : "m"(*p));
+  return v;
+}
+
+// One packed block (16 outputs, all K) against MR rows of x widened to float32 (row stride ldx): the float32
+// sums, to result (row stride ldr).  Per k pair: the block's weights widened (4 vectors), then per row the odd
+// member's broadcast into both halves' sums, then the even one's.
+template <int MR>
+inline void block_sums(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs, float* result, int64_t ldr) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m256 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m256 even[2], odd[2];  // outputs 0-7 and 8-15: k = 2p and 2p + 1
+    for (int h = 0; h < 2; ++h) {
+      const __m256i pairs8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 2 * kBlock + 16 * h));
+      even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs8, 16));
+      odd[h] = _mm256_castsi256_ps(_mm256_and_si256(pairs8, high));
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xo = broadcast(x + r * ldx + 2 * p + 1);  // odd first, as vdpbf16ps
+      for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(xo, odd[h], acc[r][h]);
+      const __m256 xe = broadcast(x + r * ldx + 2 * p);
+      for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(xe, even[h], acc[r][h]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_store_ps(result + r * ldr + 8 * h, acc[r][h]);
+}
+
+// MR rows of bf16 x (row stride ldx) as float32, into a buffer of the calling thread (row stride K).
+template <int MR>
+inline const float* widened_rows(const uint16_t* x, int64_t ldx, int64_t K) {
+  thread_local std::vector<float> rows;
+  if (rows.size() < static_cast<size_t>(MR * K)) rows.resize(static_cast<size_t>(MR * K));
+  for (int r = 0; r < MR; ++r) {
+    const auto* row = reinterpret_cast<const c10::BFloat16*>(x + r * ldx);
+    float* wide = rows.data() + r * K;
+    int64_t k = 0;
+    for (; k + kLanes <= K; k += kLanes) store16(wide + k, load16(row + k));
+    for (; k < K; ++k) wide[k] = static_cast<float>(row[k]);
+  }
+  return rows.data();
+}
+
+// The AVX-512 tile's contract (see bf16_gemm.cpp): MR rows x NR blocks of the product, plus bias, to out; kGated:
+// the first NR / 2 blocks are gate outputs and the others the matching up outputs, written as silu(gate) * up.
+template <int MR, int NR, bool kGated, typename out_t>
+[[gnu::noinline]] void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pairs, int64_t block_stride,
+                            const float* bias, out_t* out, int64_t ldo) {
+  alignas(64) float result[MR][NR][kBlock];
+  const float* rows = widened_rows<MR>(x, ldx, 2 * pairs);
+  for (int c = 0; c < NR; ++c) block_sums<MR>(rows, 2 * pairs, w + c * block_stride, pairs, result[0][c], NR * kBlock);
+  for (int r = 0; r < MR; ++r) {
+    f32x16 y[NR];
+    for (int c = 0; c < NR; ++c) {
+      y[c] = load16(result[r][c]);
+      if (bias) y[c] += load16(bias + c * kBlock);
+      if constexpr (!kGated) store16(out + r * ldo + c * kBlock, y[c]);
+    }
+    if constexpr (kGated)
+      for (int c = 0; c < NR / 2; ++c)
+        store16(out + r * ldo + c * kBlock, silu_times(stored16(y[c], out), stored16(y[c + NR / 2], out)));
+  }
+}
+
+}  // namespace
+}  // namespace fiberserve
