@@ -20,6 +20,8 @@
 
 #include <immintrin.h>
 
+#include "tile_store.h"
+
 namespace fiberserve {
 namespace {
 
@@ -84,17 +86,7 @@ template <int MR, int NR, bool kGated, typename out_t>
   alignas(64) float result[MR][NR][kBlock];
   const float* rows = widened_rows<MR>(x, ldx, 2 * pairs);
   for (int c = 0; c < NR; ++c) block_sums<MR>(rows, 2 * pairs, w + c * block_stride, pairs, result[0][c], NR * kBlock);
-  for (int r = 0; r < MR; ++r) {
-    f32x16 y[NR];
-    for (int c = 0; c < NR; ++c) {
-      y[c] = load16(result[r][c]);
-      if (bias) y[c] += load16(bias + c * kBlock);
-      if constexpr (!kGated) store16(out + r * ldo + c * kBlock, y[c]);
-    }
-    if constexpr (kGated)
-      for (int c = 0; c < NR / 2; ++c)
-        store16(out + r * ldo + c * kBlock, silu_times(stored16(y[c], out), stored16(y[c + NR / 2], out)));
-  }
+  store_tile<MR, NR, kGated>(result, bias, out, ldo);
 }
 
 }  // namespace

@@ -21,6 +21,8 @@
 
 #include <immintrin.h>
 
+#include "tile_store.h"
+
 namespace fiberserve {
 namespace {
 
@@ -136,18 +138,8 @@ template <int MR, int NR, bool kNibbles, bool kGated, typename out_t>
     for (int h = 0; h < 2; ++h)
       half_tile<MR, kNibbles>(x, row0, w + c * w_stride + 32 * h, d + c * dm_stride + 8 * h,
                               kNibbles ? m + c * dm_stride + 8 * h : nullptr, result[0][c] + 8 * h, NR * kBlock);
-  for (int r = 0; r < MR; ++r) {
-    f32x16 y[NR];
-    for (int c = 0; c < NR; ++c) {
-      y[c] = load16(result[r][c]);
-      if (bias) y[c] += load16(bias + c * kBlock);
-      if constexpr (!kGated) store16(out + r * ldo + c * kBlock, y[c]);
-    }
-    if constexpr (kGated) {
-      static_assert(NR == 2, "a gated tile is one gate block and its up block");
-      store16(out + r * ldo, silu_times(stored16(y[0], out), stored16(y[1], out)));
-    }
-  }
+  static_assert(!kGated || NR == 2, "a gated tile is one gate block and its up block");
+  store_tile<MR, NR, kGated>(result, bias, out, ldo);
 }
 
 }  // namespace

@@ -1,0 +1,39 @@
+// The AVX2 tiles' epilogue (bf16_tile_avx2.h, quant_tile_avx2.h): a tile's float32 sums, which it leaves in a
+// buffer, plus bias, to the product's output.
+
+#pragma once
+
+#include <cstdint>
+
+#include "vec16.h"
+
+namespace fiberserve {
+
+// What store16 to an out_t writes, read back as float32: what a product rounded to out_t hands the next kernel.
+inline f32x16 stored16(f32x16 y, const c10::BFloat16*) {
+  c10::BFloat16 rounded[kLanes];
+  store16(rounded, y);
+  return load16(rounded);
+}
+
+inline f32x16 stored16(f32x16 y, const float*) { return y; }
+
+// MR rows x NR blocks of 16 sums (plus bias, if any) to out (row stride ldo).  kGated: the first NR / 2 blocks are
+// gate outputs and the others the matching up outputs (see GateUp in linear.py); the tile writes silu(gate) * up,
+// NR / 2 blocks, each input rounded to out_t first as a separate product and silu_mul would see it.
+template <int MR, int NR, bool kGated, typename out_t>
+inline void store_tile(const float (&sums)[MR][NR][kLanes], const float* bias, out_t* out, int64_t ldo) {
+  for (int r = 0; r < MR; ++r) {
+    f32x16 y[NR];
+    for (int c = 0; c < NR; ++c) {
+      y[c] = load16(sums[r][c]);
+      if (bias) y[c] += load16(bias + c * kLanes);
+      if constexpr (!kGated) store16(out + r * ldo + c * kLanes, y[c]);
+    }
+    if constexpr (kGated)
+      for (int c = 0; c < NR / 2; ++c)
+        store16(out + r * ldo + c * kLanes, silu_times(stored16(y[c], out), stored16(y[c + NR / 2], out)));
+  }
+}
+
+}  // namespace fiberserve
