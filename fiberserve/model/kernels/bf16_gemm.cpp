@@ -39,6 +39,7 @@ namespace {
 constexpr int kBlock = 16;  // output features per packed block (one zmm of float32 sums)
 constexpr int kCols = 4;    // blocks per tile: 64 output features
 constexpr int kRows = 6;    // rows per tile: 6 x 4 = 24 accumulators of the 32 zmm registers
+constexpr bool kBalancedTiles = false;  // see for_each_row_tile
 
 inline void store(c10::BFloat16* out, __m512 y) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(y));
@@ -94,7 +95,7 @@ namespace {
 template <int NR, bool kGated, typename out_t>
 void column_group(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t pairs,
                   int64_t block_stride, const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch) {
-  for_each_row_tile<kRows>(
+  for_each_row_tile<kRows, kBalancedTiles>(
       0, rows,
       [&](auto height, int64_t r) {
         tile<decltype(height)::value, NR, kGated, out_t>(x + r * ldx, ldx, w, pairs, block_stride, bias, out + r * ldo, ldo);

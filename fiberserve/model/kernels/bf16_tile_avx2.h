@@ -28,6 +28,7 @@ namespace {
 constexpr int kBlock = 16;  // output features per packed block (two ymm of float32 sums)
 constexpr int kCols = 4;    // blocks per column group: 64 output features
 constexpr int kRows = 5;    // rows per tile: 5 x 2 sums, 4 widened weight vectors, a broadcast
+constexpr bool kBalancedTiles = true;  // 16 rows as 4 x 4, not 5 + 5 + 5 + 1: one row has 2 sums in flight
 
 // A float broadcast to 8 lanes, loaded here and now (GCC would otherwise keep the broadcasts of a row tile in
 // registers for the next k pair's, and push the sums onto the stack).
@@ -41,7 +42,7 @@ inline __m256 broadcast(const float* p) {
 // sums, to result (row stride ldr).  Per k pair: the block's weights widened (4 vectors), then per row the odd
 // member's broadcast into both halves' sums, then the even one's.
 template <int MR>
-inline void block_sums(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs, float* result, int64_t ldr) {
+[[gnu::always_inline]] inline void block_sums(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs, float* result, int64_t ldr) {
   const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   __m256 acc[MR][2];
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
