@@ -41,6 +41,11 @@ constexpr int kCols = 4;    // blocks per tile: 64 output features
 constexpr int kRows = 6;    // rows per tile: 6 x 4 = 24 accumulators of the 32 zmm registers
 constexpr bool kBalancedTiles = false;  // see for_each_row_tile
 
+// The rows as the tiles read them: bf16 pairs, straight from x.
+using Row = uint16_t;
+inline at::Tensor tile_rows(const at::Tensor& x) { return x.contiguous(); }
+inline const Row* row_data(const at::Tensor& rows) { return reinterpret_cast<const Row*>(rows.data_ptr<at::BFloat16>()); }
+
 inline void store(c10::BFloat16* out, __m512 y) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(y));
 }
@@ -93,7 +98,7 @@ namespace {
 
 // All rows against NR blocks, a row tile at a time.
 template <int NR, bool kGated, typename out_t>
-void column_group(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t pairs,
+void column_group(const Row* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t pairs,
                   int64_t block_stride, const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch) {
   for_each_row_tile<kRows, kBalancedTiles>(
       0, rows,
@@ -106,7 +111,7 @@ void column_group(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* 
 // Rows [0, rows) against `count` blocks: column groups of up to kCols blocks (gated: whole groups, each writing
 // kCols / 2 blocks).
 template <bool kGated, typename out_t>
-void blocks_of(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t K, int64_t count,
+void blocks_of(const Row* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t K, int64_t count,
                const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch) {
   const int64_t block_stride = K * kBlock;
   for (int64_t first = 0; first < count; first += kCols) {
@@ -133,7 +138,7 @@ void blocks_of(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* w, 
 // group order, are split, so a thread may take part of a group's row tiles.  A row's arithmetic does not depend
 // on its tile, so the split changes no bits.
 template <bool kGated, typename out_t>
-void product(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t blocks, const float* bp,
+void product(const Row* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t blocks, const float* bp,
              out_t* op, const PrefetchPlan* plan) {
   const int64_t N = (kGated ? blocks / 2 : blocks) * kBlock, block_stride = K * kBlock;
   const int64_t row_tiles = (M + kRows - 1) / kRows, groups = (blocks + kCols - 1) / kCols;
@@ -165,7 +170,7 @@ void product(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, int64
 // the product (see quant_linear_top_k): the same (column group, row tile) units as product(), each computed into
 // a thread's scratch of [rows, 64] and offered to the rows' running lists.  For a row, one thread's units all
 // lie below the next thread's in column order, so merging the lists in thread order keeps ties in index order.
-void product_top_k(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t blocks, int64_t k,
+void product_top_k(const Row* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t blocks, int64_t k,
                    float* values, int64_t* indices) {
   const int64_t block_stride = K * kBlock, row_tiles = (M + kRows - 1) / kRows, groups = (blocks + kCols - 1) / kCols;
   const int64_t threads = at::get_num_threads();
@@ -215,10 +220,10 @@ at::Tensor bf16_linear_prefetching(const at::Tensor& x, const at::Tensor& packed
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
   TORCH_CHECK(!gated || blocks % kCols == 0, "bf16_linear: gated needs output features in multiples of ",
               kCols * kBlock);
-  at::Tensor a = x.contiguous();
+  const at::Tensor rows = tile_rows(x);
   at::Tensor b = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   at::Tensor out = at::empty({M, (gated ? blocks / 2 : blocks) * kBlock}, x.options().dtype(out_dtype));
-  const auto* xp = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
+  const Row* xp = row_data(rows);
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
   auto run = [&](auto* op) {
@@ -235,10 +240,10 @@ std::tuple<at::Tensor, at::Tensor> bf16_linear_top_k(const at::Tensor& x, const 
   TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x.size(1), "bf16_linear_top_k: weight not packed for this K");
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
   TORCH_CHECK(k >= 1 && k <= TopK::kMax && k <= blocks * kBlock, "bf16_linear_top_k: k must be in [1, min(64, N)]");
-  const at::Tensor a = x.contiguous();
+  const at::Tensor rows = tile_rows(x);
   at::Tensor values = at::empty({M, k}, x.options().dtype(at::kFloat));
   at::Tensor indices = at::empty({M, k}, x.options().dtype(at::kLong));
-  product_top_k(reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()), M, K,
+  product_top_k(row_data(rows), M, K,
                 reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), blocks, k,
                 values.data_ptr<float>(), indices.data_ptr<int64_t>());
   return {values, indices};

@@ -10,8 +10,8 @@
 //
 // Registers: 16 ymm.  A column block's two halves for 5 rows take 10 float sums, the block's weights widened to
 // float32 4 (even and odd k, per half) and a broadcast 1: the tile walks its column blocks one at a time, 5 rows
-// at once, into a buffer the epilogue reads.  The rows are widened to float32 once per tile, so a broadcast is a
-// plain load (the layout of a BLIS-style 6 x 16 float32 kernel, which ran no faster).  Weights: a column group
+// at once, into a buffer the epilogue reads.  The rows are widened to float32 once per product, so a broadcast is
+// a plain load (the layout of a BLIS-style 6 x 16 float32 kernel, which ran no faster).  Weights: a column group
 // of 4 blocks is 64 outputs x K bf16 (74 KB at K = 576), read from L2 by each row tile.  One core of a Zen 3,
 // block sums of 64 rows x 64 outputs x 576 from cache: 104 GFLOP/s (4 rows, or broadcasting and widening the
 // bf16 pairs in registers: 77-96; the float32 6 x 16 kernel 106).
@@ -29,6 +29,12 @@ constexpr int kBlock = 16;  // output features per packed block (two ymm of floa
 constexpr int kCols = 4;    // blocks per column group: 64 output features
 constexpr int kRows = 5;    // rows per tile: 5 x 2 sums, 4 widened weight vectors, a broadcast
 constexpr bool kBalancedTiles = true;  // 16 rows as 4 x 4, not 5 + 5 + 5 + 1: one row has 2 sums in flight
+
+// The rows as the tiles read them: x widened to float32 once per product (exact), so that a broadcast is a plain
+// load.  (Widened per tile instead, a row was widened once per column group: 768 times in the output head.)
+using Row = float;
+inline at::Tensor tile_rows(const at::Tensor& x) { return x.to(at::kFloat).contiguous(); }
+inline const Row* row_data(const at::Tensor& rows) { return rows.data_ptr<float>(); }
 
 // A float broadcast to 8 lanes, loaded here and now (GCC would otherwise keep the broadcasts of a row tile in
 // registers for the next k pair's, and push the sums onto the stack).
@@ -64,29 +70,13 @@ template <int MR>
     for (int h = 0; h < 2; ++h) _mm256_store_ps(result + r * ldr + 8 * h, acc[r][h]);
 }
 
-// MR rows of bf16 x (row stride ldx) as float32, into a buffer of the calling thread (row stride K).
-template <int MR>
-inline const float* widened_rows(const uint16_t* x, int64_t ldx, int64_t K) {
-  thread_local std::vector<float> rows;
-  if (rows.size() < static_cast<size_t>(MR * K)) rows.resize(static_cast<size_t>(MR * K));
-  for (int r = 0; r < MR; ++r) {
-    const auto* row = reinterpret_cast<const c10::BFloat16*>(x + r * ldx);
-    float* wide = rows.data() + r * K;
-    int64_t k = 0;
-    for (; k + kLanes <= K; k += kLanes) store16(wide + k, load16(row + k));
-    for (; k < K; ++k) wide[k] = static_cast<float>(row[k]);
-  }
-  return rows.data();
-}
-
 // The AVX-512 tile's contract (see bf16_gemm.cpp): MR rows x NR blocks of the product, plus bias, to out; kGated:
 // the first NR / 2 blocks are gate outputs and the others the matching up outputs, written as silu(gate) * up.
 template <int MR, int NR, bool kGated, typename out_t>
-[[gnu::noinline]] void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pairs, int64_t block_stride,
+[[gnu::noinline]] void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs, int64_t block_stride,
                             const float* bias, out_t* out, int64_t ldo) {
   alignas(64) float result[MR][NR][kBlock];
-  const float* rows = widened_rows<MR>(x, ldx, 2 * pairs);
-  for (int c = 0; c < NR; ++c) block_sums<MR>(rows, 2 * pairs, w + c * block_stride, pairs, result[0][c], NR * kBlock);
+  for (int c = 0; c < NR; ++c) block_sums<MR>(x, ldx, w + c * block_stride, pairs, result[0][c], NR * kBlock);
   store_tile<MR, NR, kGated>(result, bias, out, ldo);
 }
 
