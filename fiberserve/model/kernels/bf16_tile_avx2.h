@@ -44,30 +44,39 @@ inline __m256 broadcast(const float* p) {
   return v;
 }
 
-// One packed block (16 outputs, all K) against MR rows of x widened to float32 (row stride ldx): the float32
-// sums, to result (row stride ldr).  Per k pair: the block's weights widened (4 vectors), then per row the odd
-// member's broadcast into both halves' sums, then the even one's.
-template <int MR>
-[[gnu::always_inline]] inline void block_sums(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs, float* result, int64_t ldr) {
+// NB packed blocks (16 outputs each, all K; block_stride apart) against MR rows of x widened to float32 (row
+// stride ldx): the float32 sums, to result (row stride ldr, block b at 16 b).  Per k pair and block: its weights
+// widened (4 vectors), then per row the odd member's broadcast into both halves' sums, then the even one's.  NB > 1
+// for tiles of one or two rows, whose sums would otherwise be too few chains of dependent multiply-adds to keep
+// the units busy (a one-row block has 2; reading 4 blocks at once gives 8).  Each sum's arithmetic is the same
+// whatever NB, so the rows keep their bits.
+template <int MR, int NB>
+[[gnu::always_inline]] inline void block_sums(const float* x, int64_t ldx, const uint16_t* w, int64_t block_stride,
+                                              int64_t pairs, float* result, int64_t ldr) {
   const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  __m256 acc[MR][2];
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  __m256 acc[NB][MR][2];
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < MR; ++r) acc[b][r][0] = acc[b][r][1] = _mm256_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
-    __m256 even[2], odd[2];  // outputs 0-7 and 8-15: k = 2p and 2p + 1
-    for (int h = 0; h < 2; ++h) {
-      const __m256i pairs8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 2 * kBlock + 16 * h));
-      even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs8, 16));
-      odd[h] = _mm256_castsi256_ps(_mm256_and_si256(pairs8, high));
-    }
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xo = broadcast(x + r * ldx + 2 * p + 1);  // odd first, as vdpbf16ps
-      for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(xo, odd[h], acc[r][h]);
-      const __m256 xe = broadcast(x + r * ldx + 2 * p);
-      for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(xe, even[h], acc[r][h]);
+    for (int b = 0; b < NB; ++b) {
+      __m256 even[2], odd[2];  // outputs 0-7 and 8-15: k = 2p and 2p + 1
+      for (int h = 0; h < 2; ++h) {
+        const uint16_t* at = w + b * block_stride + p * 2 * kBlock + 16 * h;
+        const __m256i pairs8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+        even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs8, 16));
+        odd[h] = _mm256_castsi256_ps(_mm256_and_si256(pairs8, high));
+      }
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xo = broadcast(x + r * ldx + 2 * p + 1);  // odd first, as vdpbf16ps
+        for (int h = 0; h < 2; ++h) acc[b][r][h] = _mm256_fmadd_ps(xo, odd[h], acc[b][r][h]);
+        const __m256 xe = broadcast(x + r * ldx + 2 * p);
+        for (int h = 0; h < 2; ++h) acc[b][r][h] = _mm256_fmadd_ps(xe, even[h], acc[b][r][h]);
+      }
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int h = 0; h < 2; ++h) _mm256_store_ps(result + r * ldr + 8 * h, acc[r][h]);
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < MR; ++r)
+      for (int h = 0; h < 2; ++h) _mm256_store_ps(result + r * ldr + kBlock * b + 8 * h, acc[b][r][h]);
 }
 
 // The AVX-512 tile's contract (see bf16_gemm.cpp): MR rows x NR blocks of the product, plus bias, to out; kGated:
@@ -76,7 +85,11 @@ template <int MR, int NR, bool kGated, typename out_t>
 [[gnu::noinline]] void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs, int64_t block_stride,
                             const float* bias, out_t* out, int64_t ldo) {
   alignas(64) float result[MR][NR][kBlock];
-  for (int c = 0; c < NR; ++c) block_sums<MR>(x, ldx, w + c * block_stride, pairs, result[0][c], NR * kBlock);
+  constexpr int NB = MR == 1 ? 4 : MR == 2 ? 2 : 1;  // blocks at once: 8 sums or more (see block_sums)
+  int c = 0;
+  for (; c + NB <= NR; c += NB)
+    block_sums<MR, NB>(x, ldx, w + c * block_stride, block_stride, pairs, result[0][c], NR * kBlock);
+  for (; c < NR; ++c) block_sums<MR, 1>(x, ldx, w + c * block_stride, block_stride, pairs, result[0][c], NR * kBlock);
   store_tile<MR, NR, kGated>(result, bias, out, ldo);
 }
 
