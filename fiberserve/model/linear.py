@@ -26,7 +26,7 @@ On CPUs with AVX2 and FMA but no AVX512-BF16 (AMD Zen 3), ``bf16_linear`` runs
 weights read half the bytes of float32 ones.  A 2-core Zen 3, SmolLM2-135M's
 products (GFLOP/s; float32 is the prepacked oneDNN product): at 1 row 25-44
 against 9-25 (memory bound), at 64 rows qkv / o / down 174-184 against
-145-151, gate/up with its SiLU 104-116 against 149-152 without it.
+145-151, gate/up with its SiLU 121-156 against 149-152 without it.
 
 Batch invariance: ``bf16_linear`` accumulates every output over k in order in
 its own lane, so a row has the same bits at any row count.  oneDNN's rows do
