@@ -9,8 +9,8 @@
 // denormal.)  Every output is still accumulated over k in order in its own lane, so rows stay batch invariant.
 //
 // Registers: 16 ymm.  A column block's two halves for 5 rows take 10 float sums, the block's weights widened to
-// float32 4 (even and odd k, per half) and a broadcast 1: the tile walks its column blocks one at a time, 5 rows
-// at once, into a buffer the epilogue reads.  The rows are widened to float32 once per product, so a broadcast is
+// float32 4 (even and odd k, per half) and a broadcast 1: the tile walks its column blocks one at a time (tiles of
+// one or two rows: 4 or 2 at a time), all its rows at once, into a buffer the epilogue reads.  The rows are widened to float32 once per product, so a broadcast is
 // a plain load (the layout of a BLIS-style 6 x 16 float32 kernel, which ran no faster).  Weights: a column group
 // of 4 blocks is 64 outputs x K bf16 (74 KB at K = 576), read from L2 by each row tile.  One core of a Zen 3,
 // block sums of 64 rows x 64 outputs x 576 from cache: 104 GFLOP/s (4 rows, or broadcasting and widening the
