@@ -8,7 +8,12 @@ machinery (engine/grammar.py) constrains the output to the call's JSON, so the c
   ``parameters`` schema; the answer is one call to N, ``finish_reason`` ``"stop"`` (as OpenAI answers a forced
   function).
 - ``"required"``: the output is a JSON array of ``{"name", "parameters"}`` objects, each a listed tool with its
-  arguments (one object only with ``parallel_tool_calls: false``); ``finish_reason`` ``"tool_calls"``.
+  arguments (one object only with ``parallel_tool_calls: false``); ``finish_reason`` ``"tool_calls"``.  Streamed,
+  each call goes out as soon as its name is complete, then its arguments piece by piece, as vLLM streams them
+  (``tool_call_scanner.py``).
+
+In both modes a call's ``arguments`` is the parameters' JSON text as generated, with ``json.dumps``'s spacing
+(``JsonSpacing``), streamed or not.
 - ``"auto"`` (the default with tools) is refused with a 400: choosing between text and a call takes the
   model's own tool-call format and a parser for it, which this server does not have (vLLM answers the same
   without ``--tool-call-parser``).
@@ -24,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fiberserve.engine.grammar import GrammarSpec
 from fiberserve.engine.sampling_params import InvalidParameter
+from fiberserve.server.tool_call_scanner import CallScanner, JsonSpacing, PartialCall
 
 #: What a function without ``parameters`` takes: nothing (OpenAI's "empty parameter list").
 NO_PARAMETERS = {"type": "object", "properties": {}}
@@ -117,14 +123,16 @@ def tool_call(index: int | None, name: str, arguments: str) -> dict:
     return call if index is None else {"index": index, **call}
 
 
-def parse_required(text: str) -> list[tuple[str, str]] | None:
-    """The (name, arguments JSON) of each call in a ``required`` output; None if it is cut short (the grammar
-    guarantees the rest)."""
+def required_calls(text: str) -> list[PartialCall] | None:
+    """The calls of a whole ``required`` output (raw arguments, see the module docstring); None if it is cut
+    short (the grammar guarantees the rest)."""
     try:
-        calls = json.loads(text)
+        json.loads(text)
     except json.JSONDecodeError:
         return None
-    return [(c["name"], json.dumps(c["parameters"])) for c in calls]
+    scanner = CallScanner()
+    scanner.feed(text)
+    return scanner.calls
 
 
 class ToolCallRenderer:
@@ -132,30 +140,54 @@ class ToolCallRenderer:
 
     def __init__(self, mode: str, name: str | None) -> None:
         self.mode, self.name = mode, name
-        self.texts: dict[int, str] = {}
+        self.spacings: dict[int, JsonSpacing] = {}  # per streamed choice (named mode)
+        self.scanners: dict[int, CallScanner] = {}  # per streamed choice (required mode)
+        self.sent: dict[int, list[int]] = {}  # per streamed choice: how much of each call's arguments went out
 
     def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
         """The answer's message and finish reason for an output ``text``."""
         if self.mode == "named":
-            return {"role": "assistant", "content": None, "tool_calls": [tool_call(None, self.name, text)]}, finish
-        calls = parse_required(text)
+            call = tool_call(None, self.name, JsonSpacing().feed(text))
+            return {"role": "assistant", "content": None, "tool_calls": [call]}, finish
+        calls = required_calls(text)
         if calls is None:  # cut short: what there is, as text
             return {"role": "assistant", "content": text}, finish
-        message = {"role": "assistant", "content": None, "tool_calls": [tool_call(None, n, a) for n, a in calls]}
+        tool_calls = [tool_call(None, c.name, c.arguments) for c in calls]
+        message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
         return message, "tool_calls" if finish == "stop" else finish
 
     def delta(self, index: int, text: str, finish: str | None, first: bool) -> tuple[dict, str | None] | None:
-        """The streamed delta for a choice's next ``text``, and its finish reason; None to hold it back (a
-        ``required`` output goes out whole when it ends, once it parses)."""
+        """The streamed delta for a choice's next ``text``, and its finish reason; None when there is nothing to
+        send yet.  Each call's first entry carries its id and name; later ones, more of its arguments."""
         if self.mode == "named":
-            if first:
-                call = tool_call(0, self.name, text)
-                return {"role": "assistant", "content": None, "tool_calls": [call]}, finish
-            return ({"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}), finish
-        self.texts[index] = self.texts.get(index, "") + text
+            return self._named_delta(index, text, finish, first)
+        scanner = self.scanners.setdefault(index, CallScanner())
+        sent = self.sent.setdefault(index, [])
+        scanner.feed(text)
+        entries = []
+        for i, call in enumerate(scanner.calls):
+            if call.name is None:  # named once its name is complete; the calls after it are not begun
+                break
+            if i == len(sent):
+                entries.append(tool_call(i, call.name, call.arguments))
+                sent.append(len(call.arguments))
+            elif len(call.arguments) > sent[i]:
+                entries.append({"index": i, "function": {"arguments": call.arguments[sent[i] :]}})
+                sent[i] = len(call.arguments)
+        delta: dict = {"role": "assistant", "content": None} if first else {}
+        if entries:
+            delta["tool_calls"] = entries
         if finish is None:
-            return None
-        message, finish = self.message(self.texts.pop(index), finish)
-        if "tool_calls" in message:
-            message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
-        return message, finish
+            return (delta, None) if delta else None
+        del self.scanners[index], self.sent[index]
+        return delta, "tool_calls" if finish == "stop" and required_calls(scanner.text) is not None else finish
+
+    def _named_delta(self, index: int, text: str, finish: str | None, first: bool) -> tuple[dict, str | None] | None:
+        arguments = self.spacings.setdefault(index, JsonSpacing()).feed(text)
+        if finish is not None:
+            del self.spacings[index]
+        if first:
+            return {"role": "assistant", "content": None, "tool_calls": [tool_call(0, self.name, arguments)]}, finish
+        if not arguments:
+            return ({}, finish) if finish is not None else None
+        return {"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]}, finish

@@ -432,8 +432,8 @@ def test_tool_calls_named_required_streamed_and_answered(server):
     single = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, n=3, seed=1, **ask)
     assert all(len(c.message.tool_calls) == 1 for c in single.choices)
 
-    # Streamed: the named call's arguments arrive in pieces after a first delta that names the call; a required
-    # answer arrives whole when it ends.  Either way the same calls as unstreamed.
+    # Streamed: a call's arguments arrive in pieces after a first delta that names it (named and required alike);
+    # the same calls as unstreamed.
     chunks = list(client.chat.completions.create(tool_choice=named, stream=True, **ask))
     deltas = [ch.choices[0].delta.tool_calls[0] for ch in chunks if ch.choices[0].delta.tool_calls]
     assert len(deltas) > 3 and deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
@@ -441,10 +441,13 @@ def test_tool_calls_named_required_streamed_and_answered(server):
     assert "".join(d.function.arguments for d in deltas) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "stop"
     chunks = list(client.chat.completions.create(tool_choice="required", stream=True, **ask))
-    calls = [c for ch in chunks for c in ch.choices[0].delta.tool_calls or []]
-    assert [(c.index, c.function.name, c.function.arguments) for c in calls] == [
-        (i, c.function.name, c.function.arguments) for i, c in enumerate(required.message.tool_calls)
+    pieces = [c for ch in chunks for c in ch.choices[0].delta.tool_calls or []]
+    streamed = [[p for p in pieces if p.index == i] for i in range(len(required.message.tool_calls))]
+    assert len(pieces) > 2 * len(streamed) and sum(map(len, streamed)) == len(pieces)
+    assert [(call[0].function.name, "".join(p.function.arguments for p in call)) for call in streamed] == [
+        (c.function.name, c.function.arguments) for c in required.message.tool_calls
     ]
+    assert all(call[0].id.startswith("call_") and all(p.id is None for p in call[1:]) for call in streamed)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
     # The call's result goes back as a tool message; with tool_choice "none" the model answers in text.

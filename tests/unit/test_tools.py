@@ -86,20 +86,86 @@ def test_answers_of_a_named_function():
         None,
     )
     assert render.delta(0, "", "stop", first=False) == ({}, "stop")
+    # As the model often writes it, pretty-printed: json.dumps's spacing, whole or streamed.
+    pretty = '{\n  "city" :"Oslo, Norway"\n}'
+    call = render.message(pretty, "stop")[0]["tool_calls"][0]
+    assert call["function"]["arguments"] == json.dumps(json.loads(pretty)) == '{"city": "Oslo, Norway"}'
+    streamed = [
+        render.delta(1, c, "stop" if i == len(pretty) - 1 else None, first=i == 0) for i, c in enumerate(pretty)
+    ]
+    assert streamed[1] is None  # a newline alone: nothing to send
+    pieces = [d["tool_calls"][0]["function"]["arguments"] for d, _ in filter(None, streamed) if "tool_calls" in d]
+    assert "".join(pieces) == call["function"]["arguments"] and not render.spacings
+
+
+REQUIRED = '[{"name": "clock", "parameters": {}}, {"name": "weather", "parameters": {"city": "Rome"}}]'
+#: Strings that look like the structure: braces, brackets, commas, colons, quotes and backslashes inside them.
+TRICKY = '[ {"name":"weather" ,\n "parameters": {"city": "}], {\\"x\\": [1, 2]}, \\\\", "n": [{"a": null}]}}\n]'
+#: As the model often writes it: whitespace between the tokens.
+PRETTY = (
+    '[{"name": "weather", "parameters": {\n  "city" :"Rome, Italy",\n  "days":[1 ,2, {"a":null}]\n}}\n,'
+    ' {"name": "clock", "parameters": { }}]'
+)
 
 
 def test_answers_of_required_calls_whole_or_cut_short():
     render = ToolCallRenderer("required", None)
-    text = '[{"name": "clock", "parameters": {}}, {"name": "weather", "parameters": {"city": "Rome"}}]'
-    message, finish = render.message(text, "stop")
-    assert finish == "tool_calls"
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
-        ("clock", {}),
-        ("weather", {"city": "Rome"}),
+    message, finish = render.message(REQUIRED, "stop")
+    assert finish == "tool_calls" and message["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("clock", "{}"),
+        ("weather", '{"city": "Rome"}'),
     ]
-    assert render.message(text[:20], "length") == ({"role": "assistant", "content": text[:20]}, "length")
-    # Streamed, the calls are held back until the output ends, then sent whole with their indices.
-    assert render.delta(3, text[:30], None, first=True) is None
-    delta, finish = render.delta(3, text[30:], "stop", first=False)
-    assert finish == "tool_calls" and [c["index"] for c in delta["tool_calls"]] == [0, 1]
-    assert delta["tool_calls"][1]["function"]["arguments"] == '{"city": "Rome"}'
+    assert render.message(REQUIRED[:20], "length") == ({"role": "assistant", "content": REQUIRED[:20]}, "length")
+
+
+@pytest.mark.parametrize("text", [REQUIRED, TRICKY, PRETTY])
+def test_a_call_s_arguments_are_its_parameters_with_json_dumps_spacing(text):
+    calls = ToolCallRenderer("required", None).message(text, "stop")[0]["tool_calls"]
+    parsed = json.loads(text)
+    assert [c["function"]["name"] for c in calls] == [p["name"] for p in parsed]
+    assert [c["function"]["arguments"] for c in calls] == [json.dumps(p["parameters"]) for p in parsed]
+
+
+def _stream(text: str, cuts: list[int], finish: str) -> list[tuple[dict, str | None]]:
+    render = ToolCallRenderer("required", None)
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    made = [
+        render.delta(7, piece, finish if i == len(pieces) - 1 else None, first=i == 0) for i, piece in enumerate(pieces)
+    ]
+    assert not render.scanners and not render.sent  # nothing kept once the choice ends
+    return [m for m in made if m is not None]
+
+
+@pytest.mark.parametrize("text", [REQUIRED, TRICKY, PRETTY])
+@pytest.mark.parametrize("cut", ["characters", "thirds"])
+def test_required_calls_stream_as_they_are_generated(text, cut):
+    """Streamed, each call goes out once its name is complete (id, type, name), then its arguments piece by piece;
+    the pieces add up to the unstreamed answer's arguments, whatever the cuts."""
+    cuts = list(range(1, len(text))) if cut == "characters" else [len(text) // 3, 2 * len(text) // 3]
+    deltas = _stream(text, cuts, "stop")
+    assert deltas[0][0]["role"] == "assistant" and deltas[-1][1] == "tool_calls"
+    assert all(finish is None for _, finish in deltas[:-1])
+    entries = [e for delta, _ in deltas for e in delta.get("tool_calls", [])]
+    whole = ToolCallRenderer("required", None).message(text, "stop")[0]["tool_calls"]
+    for index, call in enumerate(whole):
+        mine = [e for e in entries if e["index"] == index]
+        assert mine[0]["id"].startswith("call_") and mine[0]["type"] == "function"
+        assert mine[0]["function"]["name"] == call["function"]["name"]
+        assert all(set(e) == {"index", "function"} and set(e["function"]) == {"arguments"} for e in mine[1:])
+        assert "".join(e["function"]["arguments"] for e in mine) == call["function"]["arguments"]
+    if cut == "characters":  # a call is named before its arguments end, and they arrive in more than one piece
+        assert all(
+            len([e for e in entries if e["index"] == i]) > 2
+            for i in range(len(whole))
+            if whole[i]["function"]["arguments"] != "{}"
+        )
+
+
+def test_a_required_stream_cut_short_ends_with_its_reason():
+    text = REQUIRED[:-5]  # inside the second call's arguments
+    deltas = _stream(text, [10, 30, 60], "length")
+    assert deltas[-1][1] == "length"
+    entries = [e for delta, _ in deltas for e in delta.get("tool_calls", [])]
+    assert [e["index"] for e in entries if "id" in e] == [0, 1]  # both calls had begun
+    assert "".join(e["function"]["arguments"] for e in entries if e["index"] == 1) == '{"city": "Rom'
