@@ -1,8 +1,7 @@
 """Reads tool-call outputs as they are generated: :class:`JsonSpacing` and :class:`CallScanner`.
 
-A ``required`` output, ``[{"name": ..., "parameters": {...}}, ...]``, .
-
-The grammar (``tools.tool_grammar``) guarantees the output is that JSON, so the scanner only tracks where each
+A ``required`` output is ``[{"name": ..., "parameters": {...}}, ...]``, and the grammar (``tools.tool_grammar``)
+guarantees it is that JSON, so the scanner only tracks where each
 call's name and parameters lie: nesting depth, strings and their escapes, and the keys of each call object.  It
 reads every character once, however the text arrives (:meth:`CallScanner.feed`), and at any point
 :attr:`CallScanner.calls` holds each call begun so far: its name once that string is complete, and its arguments
@@ -51,8 +50,6 @@ class PartialCall:
     name: str | None = None
     arguments: str = ""
     spacing: JsonSpacing = field(default_factory=JsonSpacing, repr=False)
-    #: The parameters' value has closed.
-    complete: bool = False
 
 
 class CallScanner:
@@ -142,9 +139,6 @@ class CallScanner:
             self._value_start = at
 
     def _end_value(self, end: int) -> None:
-        call = self.calls[-1]
         if self._key == "name":
-            call.name = json.loads(self.text[self._value_start : end])
-        elif self._key == "parameters":
-            call.complete = True
+            self.calls[-1].name = json.loads(self.text[self._value_start : end])
         self._key, self._value_start = None, -1
