@@ -1,12 +1,12 @@
 """Reads tool-call outputs as they are generated: :class:`JsonSpacing` and :class:`CallScanner`.
 
 A ``required`` output is ``[{"name": ..., "parameters": {...}}, ...]``, and the grammar (``tools.tool_grammar``)
-guarantees it is that JSON, so the scanner only tracks where each
-call's name and parameters lie: nesting depth, strings and their escapes, and the keys of each call object.  It
-reads every character once, however the text arrives (:meth:`CallScanner.feed`), and at any point
-:attr:`CallScanner.calls` holds each call begun so far: its name once that string is complete, and its arguments
-so far.  The arguments are the parameters' JSON text as generated, spaced by :class:`JsonSpacing`: a call's
-arguments only ever grow, so streamed in pieces they add up to the arguments the whole answer carries.
+guarantees it is that JSON, so the scanner only tracks where each call's name and parameters lie: nesting depth,
+strings and their escapes, and the keys of each call object.  It reads every character once, however the text
+arrives (:meth:`CallScanner.feed`), and at any point :attr:`CallScanner.calls` holds each call begun so far: its
+name once that string is complete, and its arguments so far.  The arguments are the parameters' JSON text as
+generated, spaced by :class:`JsonSpacing`: a call's arguments only ever grow, so streamed in pieces they add up to
+the arguments the whole answer carries.
 """
 
 from __future__ import annotations
