@@ -184,8 +184,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     (out_dir / "results.json").write_text(
         json.dumps(
             {
-                name: [asdict(r) for r in rs]
-                for name, rs in {**series, **{f"ablation {k}": v for k, v in ablation.items()}}.items()
+                **{name: [asdict(r) for r in rs] for name, rs in series.items()},
+                **{f"ablation {name}": [asdict(r) for r in rs] for name, rs in ablation.items()},
+                **{f"streamed {name}": [asdict(r)] for name, r in streamed.items()},
             },
             indent=2,
         )

@@ -10,9 +10,7 @@ from pathlib import Path
 from fiberserve.bench.loadgen import LoadResult, summarize
 from fiberserve.bench.peak import Peaks, TokenFlops, bound_tokens_per_s
 from fiberserve.bench.peers import PeerServer
-
-#: Issue 7's compute bound: ~0.27 GFLOP per token at the "~550-800 GFLOP/s" it quotes for bf16 products here.
-NOMINAL_BOUND = 2000.0
+from fiberserve.bench.targets import NOMINAL_BOUND, targets_section
 
 
 def machine() -> str:
@@ -92,8 +90,9 @@ def render(
     notes: str,
     rounds: dict[str, list[list[float]]] | None = None,
 ) -> str:
-    """BENCHMARKS.md: the table and ratios, the compute bound, latencies, streaming, the ablation, then the
-    hand-written ``notes`` file (where the time goes, what misses and why) if it exists.
+    """BENCHMARKS.md: the table and ratios, the issue's targets as this run measured them (``targets.py``), the
+    compute bound, latencies, streaming, the ablation, then the hand-written ``notes`` file (where the time goes,
+    what misses and why) if it exists.
 
     ``rounds``: every round's output tokens/s per server and level (``compare --rounds``), where ``series``
     and ``streamed`` hold each level's median round; with more than one round they get a table of their own."""
@@ -131,7 +130,8 @@ def render(
     for name in ours:
         for peer in (n for n in names if n not in ours):
             lines.append(_ratio_row(f"ratio {name} / {peer}", series[name], series[peer]))
-    lines += ["", *_bound_section(series, peaks, flops), "## Latency (non-streaming), per server", ""]
+    lines += ["", *targets_section(series, streamed), *_bound_section(series, peaks, flops)]
+    lines += ["## Latency (non-streaming), per server", ""]
     for name in names:
         lines += [f"### {name}", "", summarize(series[name]), ""]
     lines += [

@@ -73,3 +73,36 @@ def test_rounds_report_the_median_round_and_list_every_round(tmp_path):
     assert "## Rounds" in text and "| fiberserve | 900.0 / 700.0 / 800.0 |" in text
     one = render("c", [64], series, {}, {}, servers, [], peaks, flops, str(tmp_path / "absent.md"))
     assert "## Rounds" not in one and "median of" not in one
+
+
+def streamed_result(ttft_p50_ms: float | None) -> LoadResult:
+    r = result(16, 300.0)
+    r.ttft_p50_ms = ttft_p50_ms
+    return r
+
+
+def test_targets_are_checked_against_the_run_s_own_figures():
+    from fiberserve.bench.targets import targets_section
+
+    series = {
+        "fiberserve": [result(1, 90.0), result(16, 650.0), result(64, 1250.0)],
+        "fiberserve int4": [result(1, 180.0), result(16, 800.0), result(64, 1100.0)],
+        "llama-server": [result(1, 100.0), result(16, 150.0), result(64, 170.0)],
+        "vLLM": [result(1, 40.0), result(16, 500.0), result(64, 850.0)],
+    }
+    streamed = {"fiberserve": streamed_result(300.0), "fiberserve int4": streamed_result(None)}
+    streamed["llama-server"] = streamed_result(2000.0)
+    rows = dict(
+        line.split(" | ", 1) for line in targets_section(series, streamed) if line.startswith("| C=") or "TTFT" in line
+    )
+    assert rows["| C=1 >= llama-server"] == "0.90x: **missed** | 1.80x: met |"
+    assert rows["| C=16 >= 1.3x vLLM"] == "1.30x: met | 1.60x: met |"
+    assert rows["| C=64 >= 1.3x vLLM"] == "1.47x: met | 1.29x: **missed** |"
+    assert rows["| C=64 >= 60% of 2000 tok/s"] == "62%: met | 55%: **missed** |"
+    assert rows["| streamed TTFT p50 at C=16 <= llama-server's"] == "300 vs 2000 ms: met | not measured |"
+    # a peer or a level the run did not measure is never "met"
+    del series["vLLM"]
+    series["fiberserve"] = series["fiberserve"][:2]
+    rows = dict(line.split(" | ", 1) for line in targets_section(series, {}) if line.startswith("| C="))
+    assert rows["| C=16 >= 1.3x vLLM"] == "not measured | not measured |"
+    assert rows["| C=64 >= 60% of 2000 tok/s"] == "not measured | 55%: **missed** |"
