@@ -18,29 +18,41 @@ _OPEN, _CLOSE = "[{", "]}"
 _CALL_DEPTH = 2  # inside the array (1), inside a call object (2)
 
 
+class JsonStrings:
+    """Where each character of JSON text falls: inside a string (its quotes included) or between tokens."""
+
+    def __init__(self) -> None:
+        self.in_string = self._escaped = False
+
+    def read(self, char: str) -> bool:
+        """Take the next character; True if it belongs to a string."""
+        if self.in_string:
+            if self._escaped:
+                self._escaped = False
+            elif char == "\\":
+                self._escaped = True
+            elif char == '"':
+                self.in_string = False
+            return True
+        self.in_string = char == '"'
+        return self.in_string
+
+
 class JsonSpacing:
     """JSON text, fed in any pieces, with ``json.dumps``'s whitespace between tokens: none, and one space after
     each ``,`` and ``:`` (the model often pretty-prints).  Strings are copied as they are."""
 
     def __init__(self) -> None:
-        self._in_string = self._escaped = False
+        self._strings = JsonStrings()
 
     def feed(self, piece: str) -> str:
         out = []
         for char in piece:
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif char == "\\":
-                    self._escaped = True
-                elif char == '"':
-                    self._in_string = False
-            elif char == '"':
-                self._in_string = True
-            elif char in ",:":
-                char += " "
-            elif char.isspace():
-                continue
+            if not self._strings.read(char):
+                if char.isspace():
+                    continue
+                if char in ",:":
+                    char += " "
             out.append(char)
         return "".join(out)
 
@@ -59,7 +71,7 @@ class CallScanner:
         self.text = ""
         self.calls: list[PartialCall] = []
         self._depth = 0
-        self._in_string = self._escaped = False
+        self._strings = JsonStrings()
         self._expect_key = False  # at the call object's level: the next string is a key
         self._key: str | None = None  # the key whose value is being read
         self._key_start = -1  # where the key string being read starts
@@ -81,19 +93,18 @@ class CallScanner:
         call.arguments += call.spacing.feed(char)
 
     def _read(self, at: int, char: str) -> None:
-        if self._in_string:
+        if self._strings.in_string:  # a character of a string, or its closing quote
+            self._strings.read(char)
             if self._in_arguments:
                 self._keep(char)
-            if self._escaped:
-                self._escaped = False
-            elif char == "\\":
-                self._escaped = True
-            elif char == '"':
-                self._in_string = False
-                if self._depth == _CALL_DEPTH:
-                    self._string_closed(at)
+            if not self._strings.in_string and self._depth == _CALL_DEPTH:
+                self._string_closed(at)
             return
-        if char.isspace():
+        if self._strings.read(char):  # an opening quote
+            if self._depth == _CALL_DEPTH and self._expect_key:
+                self._key_start = at
+                return
+        elif char.isspace():
             return
         at_call_level = self._depth == _CALL_DEPTH
         if char in _CLOSE:
@@ -113,12 +124,7 @@ class CallScanner:
                 self._end_value(at)
             self._expect_key = True
             return
-        if char == '"':
-            self._in_string = True
-            if at_call_level and self._expect_key:
-                self._key_start = at
-                return
-        elif char == "{" and self._depth == 1:
+        if char == "{" and self._depth == 1:
             self.calls.append(PartialCall())
             self._expect_key = True
         if at_call_level:
