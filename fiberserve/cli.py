@@ -33,6 +33,7 @@ HELP = {
     "page_size": "tokens per KV cache page",
     "kv_cache_mb": "KV cache size in MiB",
     "kv_pages": "KV cache size in pages (overrides --kv-cache-mb)",
+    "max_model_len": "longest context (prompt + output) a request may use (default: the model's context length)",
     "max_running": "most sequences running at once",
     "max_batch_tokens": "token budget of one flight (long prompts are prefilled in chunks of this)",
     "prefix_caching": "reuse KV pages of prompt prefixes already computed",

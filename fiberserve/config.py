@@ -38,6 +38,9 @@ class EngineConfig:
     kv_cache_mb: float = 256.0
     #: Overrides kv_cache_mb when set.
     kv_pages: int | None = None
+    #: The longest context a request may use, prompt and output together (vLLM's --max-model-len); None: the
+    #: model's own context length.  At most the model's.
+    max_model_len: int | None = None
     max_running: int = 64
     max_batch_tokens: int = 512
     prefix_caching: bool = True

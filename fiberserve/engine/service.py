@@ -146,6 +146,13 @@ class LlmService:
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size)
         self.model_path = model_path
         self.max_context = model.config.max_context
+        if config.max_model_len is not None:
+            if not 0 < config.max_model_len <= self.max_context:
+                raise ValueError(
+                    f"--max-model-len must be between 1 and the model's context length {self.max_context}, "
+                    f"got {config.max_model_len}"
+                )
+            self.max_context = config.max_model_len
         page_bytes = KVCache.bytes_per_page(model.config, config.page_size, model.dtype)
         num_pages = config.kv_pages or max(2, int(config.kv_cache_mb * 2**20) // page_bytes)
         self.kv_cache = KVCache(model.config, num_pages, config.page_size, model.dtype, model.device)

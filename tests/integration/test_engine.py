@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from fiberserve.engine import SamplingParams
+from fiberserve.engine.sampling_params import InvalidParameter
 from tests.integration.engine_utils import Engine, assert_same_or_near_tie
 
 pytestmark = pytest.mark.slow
@@ -304,3 +305,17 @@ async def test_fibers_1_runs_flights_strictly_one_at_a_time(engine):
         assert peak == 1 and svc.pool.stats().size == 1
     finally:
         await svc.close()
+
+
+async def test_max_model_len_caps_every_request_s_context(engine):
+    [prompt] = engine.chat_prompts(1)
+    svc = engine.service(max_model_len=len(prompt) + 8)
+    assert svc.max_context == len(prompt) + 8
+    with pytest.raises(InvalidParameter) as err:
+        svc.validate(prompt, SamplingParams(max_new_tokens=9))
+    assert err.value.field == "max_new_tokens" and f"context length {len(prompt) + 8}" in str(err.value)
+    [out] = await engine.run([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True), max_model_len=len(prompt) + 8)
+    assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
+    for bad in (0, engine.service().max_context + 1):
+        with pytest.raises(ValueError, match="--max-model-len must be between 1 and the model's context length"):
+            engine.service(max_model_len=bad)
