@@ -8,10 +8,12 @@ Bounded by a request count and a time limit.  Only loopback targets.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlparse
 
@@ -172,17 +174,54 @@ async def _one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str) -> Sample
         return Sample(False, time.perf_counter() - started, ttft, 0, f"{type(exc).__name__}: {exc}")
 
 
+class _Connections:
+    """One HTTP client, with one connection, per request in flight; reused once that request is answered.
+
+    Rather than one client with a pool of ``concurrency`` connections: httpx's pool is quadratic in its
+    connections (every response it closes walks them all, encode/httpcore#1035), which at C=64 took several
+    seconds of the two cores from the server under test and at a few hundred held up the load generator's
+    event loop for seconds, inflating the latencies it measured.
+    """
+
+    def __init__(self, spec: LoadSpec) -> None:
+        self.spec = spec
+        self.idle: list[httpx.AsyncClient] = []
+        self.opened: list[httpx.AsyncClient] = []
+        self.tls = httpx.create_ssl_context()  # made once: each client would load the CA bundle again (~20 ms)
+
+    @contextlib.asynccontextmanager
+    async def take(self) -> AsyncIterator[httpx.AsyncClient]:
+        client = self.idle.pop() if self.idle else self._open()
+        try:
+            yield client
+        finally:
+            self.idle.append(client)
+
+    def _open(self) -> httpx.AsyncClient:
+        keep = 0 if self.spec.fresh_connections else 1
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=keep)
+        client = httpx.AsyncClient(base_url=self.spec.url, timeout=600, limits=limits, verify=self.tls)
+        self.opened.append(client)
+        return client
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(c.aclose() for c in self.opened))
+
+
 async def run_load(spec: LoadSpec) -> LoadResult:
     """Run one load level and summarize it."""
     check_loopback(spec.url)
     prompts = make_prompts(spec.requests, spec.prompt_words, spec.seed)
-    limits = httpx.Limits(
-        max_connections=max(spec.concurrency, 1) * 2, max_keepalive_connections=0 if spec.fresh_connections else None
-    )
     samples: list[Sample] = []
     deadline = time.perf_counter() + spec.duration_s
     queue = iter(prompts)
-    async with httpx.AsyncClient(base_url=spec.url, timeout=600, limits=limits) as client:
+    connections = _Connections(spec)
+
+    async def one(prompt: str) -> Sample:
+        async with connections.take() as client:
+            return await _one(client, spec, prompt)
+
+    try:
         started = time.perf_counter()
         if spec.rate:
             rng = random.Random(spec.seed)
@@ -190,7 +229,7 @@ async def run_load(spec: LoadSpec) -> LoadResult:
             for prompt in prompts:
                 if time.perf_counter() > deadline:
                     break
-                tasks.append(asyncio.create_task(_one(client, spec, prompt)))
+                tasks.append(asyncio.create_task(one(prompt)))
                 await asyncio.sleep(rng.expovariate(spec.rate))
             samples = list(await asyncio.gather(*tasks))
         else:
@@ -199,10 +238,12 @@ async def run_load(spec: LoadSpec) -> LoadResult:
                 for prompt in queue:
                     if time.perf_counter() > deadline:
                         return
-                    samples.append(await _one(client, spec, prompt))
+                    samples.append(await one(prompt))
 
             await asyncio.gather(*(client_loop() for _ in range(spec.concurrency)))
         wall = time.perf_counter() - started
+    finally:
+        await connections.aclose()
     ok = [s for s in samples if s.ok]
     out_tokens = sum(s.output_tokens for s in ok)
     tpots = [(s.latency - s.ttft) / (s.output_tokens - 1) for s in ok if s.ttft is not None and s.output_tokens > 1]

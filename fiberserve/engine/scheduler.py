@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from fiberserve.engine.kvcache import PagePool
 from fiberserve.engine.runner import Flight, FlightItem, FlightResult
@@ -38,6 +39,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        #: Called with every sequence as it finishes, whatever the reason (metrics listen here: an aborted
+        #: sequence in the air finishes when its flight lands, after its request has been let go).
+        self.finish_listeners: list[Callable[[Sequence], None]] = []
 
     # ------------------------------------------------------------------ intake
 
@@ -172,6 +176,8 @@ class Scheduler:
         seq.finish_reason = reason
         seq.finish_time = time.monotonic()
         seq.events.put_nowait(event or SequenceEvent("", True))
+        for listener in self.finish_listeners:
+            listener(seq)
 
     def check_integrity(self) -> None:
         self.pages.check_integrity()

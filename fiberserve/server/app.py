@@ -80,6 +80,8 @@ async def _load(state: ServerState, service: LlmService | None) -> None:
         state.load_error = f"{type(exc).__name__}: {exc}"
         log.error("could not load the model: %s", state.load_error)
         return
+    if state.metrics is not None:
+        service.scheduler.finish_listeners.append(state.metrics.observe_sequence)
     state.service = service
     # What startup built (the model's modules, the tokenizer, imported code: ~200k objects) stays alive for good,
     # yet every full collection would walk it again, holding the GIL while the event loop waits and taking a core

@@ -98,7 +98,10 @@ class ServerState:
         return requests
 
     def done(self, requests: list[Request]) -> None:
-        """Account for finished requests (metrics) and forget them; abort any still running."""
+        """Count the requests' prompts (metrics) and forget them; abort any still running.
+
+        Their sequences are counted as they finish, by the scheduler's finish listener.
+        """
         service = self.service
         for r in requests:
             if r not in self.active:
@@ -108,9 +111,6 @@ class ServerState:
                 service.abort(r)
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(r.prompt_ids))
-                for s in r.seqs:
-                    if s.finished:
-                        self.metrics.observe_sequence(s)
 
     async def wait_all(self, http: HttpRequest, requests: list[Request]) -> list[RequestOutput]:
         """Wait for the requests; abort them if the client disconnects first."""

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def free_port() -> int:
@@ -73,6 +74,18 @@ class ServerProcess:
 
     def server_info(self) -> dict:
         return httpx.get(self.url + "/get_server_info", timeout=10).json()
+
+    def finished(self) -> dict[str, float]:
+        """Sequences finished so far by reason, and tokens generated, from the server's /metrics."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        counts = {"tokens": 0.0}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "fiberserve_sequences_finished_total":
+                    counts[sample.labels["reason"]] = sample.value
+                elif sample.name == "fiberserve_generation_tokens_total":
+                    counts["tokens"] = sample.value
+        return counts
 
     def assert_idle(self, timeout: float = 5.0) -> dict:
         """Every page free or cached, every fiber idle, nothing queued (waits up to ``timeout``)."""

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import re
+import threading
 import time
 
 import httpx
@@ -257,74 +259,92 @@ async def _stream_then_leave(url: str, events: int) -> int:
         return seen
 
 
+def _finished_since(server, before: dict[str, float]) -> dict[str, float]:
+    after = server.finished()
+    return {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
+
+
 def test_disconnecting_streaming_clients_free_their_pages(server):
     async def main():
         return await asyncio.gather(*(_stream_then_leave(server.url, 3) for _ in range(20)))
 
+    before = server.finished()
     assert asyncio.run(main()) == [3] * 20
-    server.assert_idle(timeout=3.0)  # 20 x 400 tokens would take far longer if nobody noticed them leave
+    server.assert_idle(timeout=120)
+    # Each ended as aborted, long before its 400 tokens: the server noticed its client leave.
+    since = _finished_since(server, before)
+    assert since.get("abort") == 20 and since.get("length", 0) == 0 and since["tokens"] < 20 * 400 / 4, since
 
 
 def test_disconnecting_non_streaming_client_aborts_its_request(server):
+    before = server.finished()
     with pytest.raises(httpx.ReadTimeout), server.client(timeout=0.5) as c:
         c.post(G, json={"text": "Write an essay.", "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}})
-    server.assert_idle(timeout=3.0)  # the full 500 tokens take ~6 s: idle sooner means it was aborted
+    server.assert_idle(timeout=120)
+    since = _finished_since(server, before)
+    assert since.get("abort") == 1 and since.get("length", 0) == 0 and since["tokens"] < 500 / 2, since
 
 
 def test_overload_gets_fast_503s_and_loses_nothing(cache_dir, model_path):
     proc = ServerProcess("--max-queue", "8", "--max-running", "8", "--fibers", "2", cache_dir=cache_dir).wait_ready()
     try:
         prompts = [f"Fact number {i % 5}:" for i in range(300)]
+        # Long enough answers that the admitted requests are still decoding while the health probe runs.
+        params = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
         with proc.client() as c:
-            expected = {
-                p: c.post(
-                    G, json={"text": p, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
-                ).json()["text"]
-                for p in set(prompts)
-            }
+            expected = {p: c.post(G, json={"text": p, "sampling_params": params}).json()["text"] for p in set(prompts)}
 
         async def one(client, prompt):
-            started = time.monotonic()
-            r = await client.post(
-                G, json={"text": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
-            )
-            return prompt, r, time.monotonic() - started
+            return prompt, await client.post(G, json={"text": prompt, "sampling_params": params})
 
-        async def health_probe(client, stop):
-            worst = 0.0
-            while not stop.is_set():
-                t = time.monotonic()
-                assert (await client.get("/health")).status_code == 200
-                worst = max(worst, time.monotonic() - t)
-                await asyncio.sleep(0.05)
-            return worst
+        def health_probe(stop: threading.Event) -> int:
+            # On a thread with its own connection: in the burst's event loop the probe would measure httpx's
+            # connection pool instead, which is quadratic in its connections (encode/httpcore#1035) and stalls
+            # that loop for seconds with 300 of them.
+            answered = 0
+            with proc.client() as probe:
+                while not stop.is_set():
+                    assert probe.get("/health").status_code == 200
+                    answered += 1
+                    stop.wait(0.05)
+            return answered
 
-        async def main():
+        async def burst():
             limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
             async with httpx.AsyncClient(base_url=proc.url, timeout=300, limits=limits) as client:
-                stop = asyncio.Event()
-                probe = asyncio.create_task(health_probe(client, stop))
-                results = await asyncio.gather(*(one(client, p) for p in prompts))
-                stop.set()
-                return results, await probe
+                return await asyncio.gather(*(one(client, p) for p in prompts))
 
-        results, worst_health = asyncio.run(main())
+        stop = threading.Event()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            probe = pool.submit(health_probe, stop)
+            try:
+                results = asyncio.run(burst())
+            finally:
+                stop.set()
+            health_answers = probe.result()
         ok = [r for r in results if r[1].status_code == 200]
         refused = [r for r in results if r[1].status_code != 200]
         assert ok and refused, (len(ok), len(refused))
-        for prompt, r, _ in ok:
+        for prompt, r in ok:
             assert r.json()["text"] == expected[prompt]
-        for _, r, _ in refused:
+        for _, r in refused:
             assert r.status_code == 503 and r.headers.get("retry-after") and r.json()["error"]["message"]
-        assert worst_health < 5.0
-        proc.assert_idle(timeout=2.0)
+        assert health_answers > 0
+        proc.assert_idle()
     finally:
         assert proc.stop() == 0
-    # A refusal does not wait for the work ahead of it: each 503's time in the server, from its access log, is
-    # short.  (Measured at the client, the last refusals of the burst also waited for the client's and the
-    # server's event loops to reach them, seconds on a 2-core machine whose cores both run the model.)
-    served = [float(ms) for ms in re.findall(r"POST /generate 503 ([0-9.]+)ms", proc.log_path.read_text())]
-    assert len(served) == len(refused) and max(served) < 1000, sorted(served)[-5:]
+    # Checked by the order of the access log's lines, not by the clock (a shared CI machine's clock says little):
+    # - A refusal does not wait for the work ahead of it.  A request is refused only while 8 others wait for
+    #   admission, and none of those can finish before the refusal is sent, so after the last 503 come at least
+    #   8 answers.
+    # - /health answers during the burst, between its first refusal and its last answer.
+    lines = [(m[1], m[2]) for m in re.finditer(r"(GET /health|POST /generate) (\d+) ", proc.log_path.read_text())]
+    refusals = [i for i, line in enumerate(lines) if line == ("POST /generate", "503")]
+    answers = [i for i, line in enumerate(lines) if line == ("POST /generate", "200")]
+    assert len(refusals) == len(refused) and len(answers) == len(ok) + len(expected)
+    assert sum(i > refusals[-1] for i in answers) >= 8
+    during = lines[refusals[0] : answers[-1]]
+    assert ("GET /health", "200") in during, lines
 
 
 def test_fault_injection_fails_only_its_flights(cache_dir, model_path):
@@ -366,9 +386,8 @@ def test_fault_injection_fails_only_its_flights(cache_dir, model_path):
         # a hung invocation is bounded by --invocation-timeout; its fiber is replaced
         with proc.client() as c:
             c.post("/debug/faults", json={"rate": 1.0, "hang_seconds": 5})
-            started = time.monotonic()
             hung = c.post(G, json={"text": "Hello", "sampling_params": params})
-            assert hung.status_code == 500 and time.monotonic() - started < 4.5
+            assert hung.status_code == 500 and "ran past 2s" in hung.json()["error"]["message"]
             c.post("/debug/faults", json={"rate": 0})
             assert c.post(G, json={"text": "Hello", "sampling_params": params}).status_code == 200
         info = proc.assert_idle()

@@ -577,5 +577,10 @@ def test_load_generator_against_the_real_server(server):
             if stream:
                 assert 0 < result.ttft_p50_ms <= result.e2e_p50_ms
             prompt_tokens.add(result.prompt_tokens)
+    # open loop (Poisson arrivals), a new connection per request as for llama-server
+    spec = LoadSpec(server.url, rate=50.0, requests=4, output_len=8, prompt_words=8, fresh_connections=True)
+    result = asyncio.run(run_load(spec))
+    assert (result.completed, result.errors, result.output_tokens) == (4, 0, 32), result.first_errors
+    prompt_tokens.add(result.prompt_tokens)
     # the same four prompts each time: every API and mode reports the same prompt tokens, 8+ words each
     assert len(prompt_tokens) == 1 and prompt_tokens.pop() >= 4 * 8
