@@ -109,14 +109,16 @@ class GuardMiddleware:
         metrics = self.state.metrics
         if metrics is not None and path != "/metrics":
             metrics.requests.labels(path if path in _KNOWN else "other", str(status)).inc()
+        ids = state.get("request_ids") or []
         log.info(
-            "%s %s %d %.1fms prompt_tokens=%s completion_tokens=%s",
+            "%s %s %d %.1fms prompt_tokens=%s completion_tokens=%s%s",
             scope.get("method"),
             sanitize(path, 100),
             status,
             latency * 1000,
             state.get("prompt_tokens", 0),
             state.get("completion_tokens", 0),
+            f" rid={sanitize(ids[0])}" + (f" (+{len(ids) - 1})" if len(ids) > 1 else "") if ids else "",
         )
 
 

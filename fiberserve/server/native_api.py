@@ -189,8 +189,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         rids = body.rid if isinstance(body.rid, list) else [body.rid]
         if len(rids) != len(prompts) or any(len(r) > 128 or not r for r in rids):
             raise ApiError(400, "rid: one non-empty id (at most 128 characters) per prompt", "rid")
-    requests = state.submit(prompts, params, rids)
-    request.state.prompt_tokens = sum(len(p) for p in prompts)
+    requests = state.submit(request, prompts, params, rids)
     logprob = LogprobAsk.of(body)
     many = batched or params.n > 1
     if body.stream:

@@ -106,8 +106,7 @@ async def _serve(
     include_usage: bool,
     render,
 ) -> Response:
-    requests = state.submit(prompts, params, None, names)
-    request.state.prompt_tokens = sum(len(p) for p in prompts)
+    requests = state.submit(request, prompts, params, None, names)
     if stream:
         stream = render.stream(state, request, requests, include_usage)
         return StreamingResponse(stream, media_type="text/event-stream")

@@ -78,13 +78,14 @@ class ServerState:
 
     def submit(
         self,
+        http: HttpRequest,
         prompts: list[list[int]],
         params: SamplingParams,
         rids: list[str] | None,
         rename: dict[str, str] | None = None,
     ) -> list[Request]:
         """Submit every prompt or none: a refusal of one aborts those already queued (nothing ran yet:
-        no await separates the submissions)."""
+        no await separates the submissions).  The access log line of ``http`` gets their ids and prompt tokens."""
         service = self.ready_service()
         requests: list[Request] = []
         try:
@@ -95,6 +96,8 @@ class ServerState:
                 service.abort(r)
             raise from_engine(exc, rename) from None
         self.active.update(requests)
+        http.state.prompt_tokens = sum(len(p) for p in prompts)
+        http.state.request_ids = [r.id for r in requests]
         return requests
 
     def done(self, requests: list[Request]) -> None:

@@ -239,7 +239,8 @@ def test_request_ids_are_sanitized_in_logs(server):
         r = c.post(G, json={"text": "Hi", "rid": "evil\nFAKE LOG LINE", "sampling_params": {"max_new_tokens": 1}})
         assert r.status_code == 200
     time.sleep(0.2)
-    assert "\nFAKE LOG LINE" not in server.log_path.read_text()
+    log = server.log_path.read_text()
+    assert "rid=evil?FAKE?LOG?LINE" in log and "\nFAKE LOG LINE" not in log
 
 
 async def _stream_then_leave(url: str, events: int) -> int:
