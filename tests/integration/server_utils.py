@@ -75,6 +75,14 @@ class ServerProcess:
     def server_info(self) -> dict:
         return httpx.get(self.url + "/get_server_info", timeout=10).json()
 
+    def log_with(self, text: str, timeout: float = 30.0) -> str:
+        """The server's log once ``text`` is in it (a request's line is written just after its answer)."""
+        deadline = time.monotonic() + timeout
+        while text not in (log := self.log_path.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert text in log, f"{text!r} not in the server's log"
+        return log
+
     def finished(self) -> dict[str, float]:
         """Sequences finished so far by reason, and tokens generated, from the server's /metrics."""
         text = httpx.get(self.url + "/metrics", timeout=10).text
@@ -87,7 +95,7 @@ class ServerProcess:
                     counts["tokens"] = sample.value
         return counts
 
-    def assert_idle(self, timeout: float = 5.0) -> dict:
+    def assert_idle(self, timeout: float = 30.0) -> dict:
         """Every page free or cached, every fiber idle, nothing queued (waits up to ``timeout``)."""
         deadline = time.monotonic() + timeout
         while True:
