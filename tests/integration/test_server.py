@@ -6,7 +6,6 @@ import json
 import re
 import signal
 import threading
-import time
 
 import httpx
 import pytest
@@ -29,6 +28,7 @@ def test_health_is_503_until_the_model_is_ready_and_sigterm_exits_cleanly(cache_
     assert proc.saw_503, "health never said 503 while loading"
     # a long streamed request in flight when SIGTERM arrives is finished (or aborted), then exit 0
     events = []
+    streaming = threading.Event()
 
     def stream():
         with httpx.stream(
@@ -41,11 +41,14 @@ def test_health_is_503_until_the_model_is_ready_and_sigterm_exits_cleanly(cache_
                 "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True},
             },
         ) as r:
-            events.extend(line for line in r.iter_lines() if line)
+            for line in r.iter_lines():
+                if line:
+                    events.append(line)
+                    streaming.set()
 
     t = threading.Thread(target=stream)
     t.start()
-    time.sleep(1.0)
+    assert streaming.wait(60)  # the first event is out: the request is in flight
     assert proc.stop(signal.SIGTERM) == 0
     t.join(30)
     assert events and events[-1] == "data: [DONE]"

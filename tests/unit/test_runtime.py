@@ -151,8 +151,8 @@ async def test_64_invocations_through_4_fibers(pool, tracker):
     assert tracker.peak <= 4
     assert len({fid for fid, _ in results}) == 4
     assert len({inst for _, inst in results}) == 4  # one instance per fiber
-    # 64 calls x 20 ms over 4 lanes take >= 320 ms; a blocked loop would tick ~once.
-    assert ticks >= 20
+    # 64 calls x 20 ms over 4 lanes take >= 320 ms (64 ticks' worth); a blocked loop would tick once or twice.
+    assert ticks >= 5
     s = p.stats()
     assert (s.size, s.idle, s.busy, s.waiters, s.acquisitions) == (4, 4, 0, 0, 64)
     assert s.max_wait_s > 0 and s.total_wait_s >= s.max_wait_s
