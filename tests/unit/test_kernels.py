@@ -60,14 +60,39 @@ def test_paged_attention_rows_are_batch_invariant(dtype):
     q, k, v, tables, spans, keys = attention_case(dtype, head_dim=64)
     scale = 0.125
     batch = kernels.paged_attention(q, k, v, tables, spans, keys, PAGE, scale)
-    for row in range(6):
-        span = spans[row : row + 1].long()
-        alone = kernels.paged_attention(
-            q[row : row + 1], k, v, tables[span], torch.zeros(1, dtype=torch.int32), keys[row : row + 1], PAGE, scale
-        )
-        assert torch.equal(alone[0], batch[row])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # fewer rows than threads: the threads share a row's kv heads (see the C++ source)
+    try:
+        for row in range(7):
+            one = slice(row, row + 1)
+            table = tables[spans[one].long().clamp(min=0)]  # the row's span becomes span 0 (padding stays -1)
+            alone = kernels.paged_attention(q[one], k, v, table, spans[one].clamp(max=0), keys[one], PAGE, scale)
+            assert torch.equal(alone[0], batch[row])  # row 6, a padding row: zeros
+    finally:
+        torch.set_num_threads(threads)
     strided = torch.cat([q, torch.randn_like(q)], dim=1)[:, :6]  # rows of a wider tensor, read in place
     assert torch.equal(kernels.paged_attention(strided, k, v, tables, spans, keys, PAGE, scale), batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_row_decoded_alone_shares_its_heads_and_keeps_its_bits(dtype):
+    """One row with many keys and fewer rows than threads: the threads split its kv heads between them; its
+    result is the reference's, and the bits it gets inside a batch (where rows are the threads' work)."""
+    torch.manual_seed(2)
+    k, v = torch.randn(64 * PAGE, 3, 64).to(dtype), torch.randn(64 * PAGE, 3, 64).to(dtype)
+    q = torch.randn(4, 9, 64).to(dtype)
+    tables = torch.randperm(64, dtype=torch.int32)[:50].view(1, 50)
+    spans, keys = torch.zeros(4, dtype=torch.int32), torch.tensor([197, 198, 199, 200], dtype=torch.int32)
+    batch = kernels.paged_attention(q, k, v, tables, spans, keys, PAGE, 0.125)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        alone = kernels.paged_attention(q[3:], k, v, tables, spans[3:], keys[3:], PAGE, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone[0], batch[3])
+    expected = reference_attention(q[3:], k, v, tables, spans[3:], keys[3:])  # its scale: 64 ** -0.5
+    torch.testing.assert_close(alone.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
