@@ -106,7 +106,10 @@ async def _serve(
     include_usage: bool,
     render,
 ) -> Response:
-    requests = state.submit(request, prompts, params, None, names)
+    # The engine's request ids are the answer's id (one per prompt, as vLLM numbers them), so that the access
+    # log, the metrics and a 500's message name what the client saw.
+    rids = [render.id] if len(prompts) == 1 else [f"{render.id}-{i}" for i in range(len(prompts))]
+    requests = state.submit(request, prompts, params, rids, names)
     if stream:
         stream = render.stream(state, request, requests, include_usage)
         return StreamingResponse(stream, media_type="text/event-stream")

@@ -217,6 +217,11 @@ def test_openai_client_models_completions_and_chat(server):
     )
     assert [c.message.content for c in again.choices] == [c.message.content for c in many.choices]
 
+    # the access log names each request by the id its answer carries (a batch: the id, numbered)
+    batch = client.completions.create(model=model, prompt=["One", "Two"], max_tokens=1)
+    server.log_with(f"rid={chat.id}\n")
+    server.log_with(f"rid={batch.id}-0 (+1)\n")
+
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=model, prompt="x", max_tokens=-1)
     assert err.value.body["param"] == "max_tokens"
