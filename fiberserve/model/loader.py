@@ -43,9 +43,17 @@ def read_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     if path.is_dir():
         return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    return gguf_config(open_gguf(path))
+
+
+def open_gguf(path: Path):
+    """A ``gguf.GGUFReader`` of ``path``; a file it cannot read is a ValueError naming the file."""
     import gguf
 
-    return gguf_config(gguf.GGUFReader(str(path)))
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader's own errors (bad magic, version, a truncated file) name no file
+        raise ValueError(f"--model {path}: not a GGUF file this server can read ({type(exc).__name__}: {exc})") from exc
 
 
 # ---------------------------------------------------------------- GGUF
@@ -123,7 +131,7 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def load_gguf(path: Path, progress: bool = True) -> Checkpoint:
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path)
     config = gguf_config(reader)
     permuted = config.architecture == "llama"
     weights: dict[str, torch.Tensor] = {}

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
 import threading
+import time
 
 import httpx
 import pytest
@@ -54,6 +56,28 @@ def test_health_is_503_until_the_model_is_ready_and_sigterm_exits_cleanly(cache_
     assert events and events[-1] == "data: [DONE]"
     last = json.loads(events[-2][5:])
     assert last["meta_info"]["finish_reason"]["type"] in ("length", "abort")
+
+
+def test_a_model_that_fails_to_load_is_reported_not_crashed(tmp_path, cache_dir):
+    """A bad --model: the server stays up, /health says "failed" (503), and a request gets a 503 naming the flag."""
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"GGUF but not really")
+    proc = ServerProcess("--model", str(bad), cache_dir=cache_dir)
+    try:
+        for _ in range(600):
+            with contextlib.suppress(httpx.TransportError):
+                health = httpx.get(proc.url + "/health", timeout=5)
+                if health.json()["status"] == "failed":
+                    break
+            assert proc.proc.poll() is None, proc.log_path.read_text()
+            time.sleep(0.1)
+        assert health.status_code == 503 and health.json() == {"status": "failed"}
+        r = httpx.post(proc.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
+        error = r.json()["error"]
+        assert r.status_code == 503 and r.headers["retry-after"] and error["type"] == "unavailable"
+        assert error["message"].startswith("the model failed to load:") and str(bad) in error["message"]
+    finally:
+        assert proc.stop() == 0
 
 
 def test_config_file_keys_are_the_flags_and_flags_win(tmp_path, cache_dir, model_path):
