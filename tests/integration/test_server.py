@@ -64,6 +64,7 @@ def test_a_model_that_fails_to_load_is_reported_not_crashed(tmp_path, cache_dir)
     bad.write_bytes(b"GGUF but not really")
     proc = ServerProcess("--model", str(bad), cache_dir=cache_dir)
     try:
+        health = None
         for _ in range(600):
             with contextlib.suppress(httpx.TransportError):
                 health = httpx.get(proc.url + "/health", timeout=5)
@@ -71,7 +72,7 @@ def test_a_model_that_fails_to_load_is_reported_not_crashed(tmp_path, cache_dir)
                     break
             assert proc.proc.poll() is None, proc.log_path.read_text()
             time.sleep(0.1)
-        assert health.status_code == 503 and health.json() == {"status": "failed"}
+        assert health is not None and health.status_code == 503 and health.json() == {"status": "failed"}
         r = httpx.post(proc.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
         error = r.json()["error"]
         assert r.status_code == 503 and r.headers["retry-after"] and error["type"] == "unavailable"
