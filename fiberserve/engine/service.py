@@ -177,9 +177,9 @@ class LlmService:
     def load(cls, config: EngineConfig) -> LlmService:
         """Load weights and tokenizer (seconds for the default model); fetch the default if needed."""
         path = config.model or str(default_model_path(config.cache_dir, progress=config.progress))
-        dtype = resolve_dtype(config.dtype, config.device)
         with _one_intra_op_thread():
-            checkpoint = load_checkpoint(path, progress=config.progress)
+            checkpoint = load_checkpoint(path, progress=config.progress)  # first: a bad --model fails at once,
+            dtype = resolve_dtype(config.dtype, config.device)  # not after the kernels' first build (~90 s)
             model = LlamaModel(checkpoint, dtype=dtype, device=config.device, quantization=config.quantization)
             tokenizer = load_tokenizer(path, config.cache_dir, checkpoint.config.eos_token_ids)
             service = cls(config, model, tokenizer, path)
