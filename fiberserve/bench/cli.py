@@ -14,7 +14,7 @@ from fiberserve.bench.loadgen import LoadResult, LoadSpec, median_run, plot, run
 from fiberserve.bench.peak import bound_tokens_per_s, linear_flops, measure_peaks
 from fiberserve.bench.report import render
 from fiberserve.config import default_cache_dir
-from fiberserve.model.loader import read_config
+from fiberserve.model.config import read_config
 
 #: Prompt seeds of the warm-up and the streamed run; the levels use 1, 2, 3, ... (see ``_levels``).
 WARMUP_SEED, STREAM_SEED = 100, 200

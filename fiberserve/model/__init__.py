@@ -1,9 +1,19 @@
-"""Weights and math: config, loaders, the Llama-family decoder, the tokenizer, the default model."""
+"""Weights and math: config, loaders, the Llama-family decoder, the tokenizer, the default model.
 
-from fiberserve.model.config import ModelConfig, UnsupportedModelError
-from fiberserve.model.llama import ForwardBatch, KVCache, LlamaModel, SequenceSpan
-from fiberserve.model.loader import Checkpoint, load_checkpoint
-from fiberserve.model.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+The names below are imported on first use (as the package's top level does), so that a torch-free submodule such
+as :mod:`fiberserve.model.config`, which the load generator reads a model's size with, imports no PyTorch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fiberserve.model.config import ModelConfig, UnsupportedModelError
+    from fiberserve.model.llama import ForwardBatch, KVCache, LlamaModel, SequenceSpan
+    from fiberserve.model.loader import Checkpoint, load_checkpoint
+    from fiberserve.model.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
     "Checkpoint",
@@ -18,3 +28,22 @@ __all__ = [
     "load_checkpoint",
     "load_tokenizer",
 ]
+_HOMES = {
+    "Checkpoint": "loader",
+    "ForwardBatch": "llama",
+    "IncrementalDetokenizer": "tokenizer",
+    "KVCache": "llama",
+    "LlamaModel": "llama",
+    "ModelConfig": "config",
+    "SequenceSpan": "llama",
+    "Tokenizer": "tokenizer",
+    "UnsupportedModelError": "config",
+    "load_checkpoint": "loader",
+    "load_tokenizer": "tokenizer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'fiberserve.model' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"fiberserve.model.{_HOMES[name]}"), name)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from fiberserve.model.config import ModelConfig, UnsupportedModelError, normalize_architecture
+from fiberserve.model.config import ModelConfig, UnsupportedModelError, gguf_config, open_gguf
 
 
 @dataclass
@@ -36,24 +36,6 @@ def load_checkpoint(path: str | Path, progress: bool = True) -> Checkpoint:
     if path.suffix == ".gguf" and path.is_file():
         return load_gguf(path, progress)
     raise FileNotFoundError(f"--model {path}: expected a .gguf file or a Hugging Face model directory")
-
-
-def read_config(path: str | Path) -> ModelConfig:
-    """The model's configuration alone (no weights read) from a ``.gguf`` file or a Hugging Face directory."""
-    path = Path(path)
-    if path.is_dir():
-        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    return gguf_config(open_gguf(path))
-
-
-def open_gguf(path: Path):
-    """A ``gguf.GGUFReader`` of ``path``; a file it cannot read is a ValueError naming the file."""
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader's own errors (bad magic, version, a truncated file) name no file
-        raise ValueError(f"--model {path}: not a GGUF file this server can read ({type(exc).__name__}: {exc})") from exc
 
 
 # ---------------------------------------------------------------- GGUF
@@ -75,51 +57,6 @@ _GGUF_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
-
-
-def gguf_config(reader) -> ModelConfig:
-    arch_name = _field(reader, "general.architecture")
-    arch = normalize_architecture(arch_name)
-
-    def get(key, default=None):
-        return _field(reader, f"{arch_name}.{key}", default)
-
-    heads = get("attention.head_count")
-    hidden = get("embedding_length")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    vocab = get("vocab_size") or (len(tokens) if tokens is not None else None)
-    scaling = None
-    if get("rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
-    eos = [_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id")]
-    names = {t.name for t in reader.tensors}
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=int(vocab),
-        hidden_size=int(hidden),
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
-        num_heads=int(heads),
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length") or hidden // heads),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        max_position_embeddings=int(get("context_length", 4096)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias=any(n.endswith("attn_q.bias") for n in names),
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
-        sliding_window=int(window) if (window := get("attention.sliding_window")) else None,
-    )
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
