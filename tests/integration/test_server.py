@@ -617,3 +617,23 @@ def test_load_generator_against_the_real_server(server):
     prompt_tokens.add(result.prompt_tokens)
     # the same four prompts each time: every API and mode reports the same prompt tokens, 8+ words each
     assert len(prompt_tokens) == 1 and prompt_tokens.pop() >= 4 * 8
+
+
+def test_bench_run_writes_its_json_table_and_plot(server, tmp_path, capsys):
+    """`fiberserve bench run` end to end: a closed-loop level and an open-loop rate, each in the JSON, the
+    markdown table (also printed) and the PNG plot."""
+    from fiberserve.bench.cli import main as bench
+
+    out = {kind: tmp_path / f"levels.{kind}" for kind in ("json", "md", "png")}
+    load = "--concurrency 2 --rate 20 --requests 4 --requests-per-client 2 --output-len 4 --prompt-words 8"
+    files = f"--json {out['json']} --markdown {out['md']} --plot {out['png']}"
+    argv = ["run", "--url", server.url, *load.split(), *files.split()]
+    assert bench(argv) == 0
+    levels = json.loads(out["json"].read_text())  # one entry per level
+    assert [(lv["spec"]["concurrency"], lv["spec"]["rate"]) for lv in levels] == [(2, None), (1, 20.0)]
+    assert [(lv["completed"], lv["errors"], lv["output_tokens"]) for lv in levels] == [(4, 0, 16)] * 2
+    table = out["md"].read_text().splitlines()
+    assert len(table) == 4 and table[2].startswith("| 2 | - | 4 | 0 |") and table[3].startswith("| 1 | 20.0 | 4 | 0 |")
+    assert "\n".join(table) in capsys.readouterr().out
+    assert out["png"].read_bytes().startswith(b"\x89PNG")
+    server.assert_idle()
