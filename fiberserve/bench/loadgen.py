@@ -173,7 +173,7 @@ async def _one(session: aiohttp.ClientSession, spec: LoadSpec, prompt: str) -> S
 
 def _session(spec: LoadSpec) -> aiohttp.ClientSession:
     """The load's HTTP client: as many connections as requests in flight (kept alive and reused, unless
-    ``fresh_connections``), a 600 s limit per request.
+    ``fresh_connections``), a 600 s limit per request, streamed lines up to 2 MiB.
 
     aiohttp rather than httpx, as vLLM's ``benchmark_serving`` does, because the client shares the server's
     cores: its HTTP parser is C, and against fiberserve at C=16 (Zen 3) the load generator's own CPU time per
@@ -182,7 +182,9 @@ def _session(spec: LoadSpec) -> aiohttp.ClientSession:
     held up its event loop for seconds.)
     """
     connector = aiohttp.TCPConnector(limit=0, force_close=spec.fresh_connections)
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600))
+    # read_bufsize: a streamed line may be up to twice this; SGLang's events carry the whole text so far
+    timeout = aiohttp.ClientTimeout(total=600)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=1 << 20)
 
 
 async def run_load(spec: LoadSpec) -> LoadResult:
