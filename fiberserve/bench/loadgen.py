@@ -177,7 +177,7 @@ def _session(spec: LoadSpec) -> aiohttp.ClientSession:
 
     aiohttp rather than httpx, as vLLM's ``benchmark_serving`` does, because the client shares the server's
     cores: its HTTP parser is C, and against fiberserve at C=16 (Zen 3) the load generator's own CPU time per
-    output token measured 110 against 300-330 us streamed and 9 against 46 us non-streamed.  (httpx's
+    output token measured 110-126 against 284-330 us streamed and 7-9 against 33-46 us non-streamed.  (httpx's
     connection pool is also quadratic in its connections, encode/httpcore#1035, which at a few hundred
     held up its event loop for seconds.)
     """
