@@ -63,14 +63,14 @@ class PeerServer:
 
 
 def fiberserve_server(port: int, model: str | None, extra: list[str], label: str = "fiberserve") -> PeerServer:
-    import torch
+    from importlib.metadata import version  # the installed torch's version, without importing it here
 
     from fiberserve import __version__
 
     command = [sys.executable, "-m", "fiberserve.server", "--port", str(port), "--no-progress", *extra]
     if model:
         command += ["--model", model]
-    return PeerServer(label, command, port, version=f"fiberserve {__version__}, torch {torch.__version__}")
+    return PeerServer(label, command, port, version=f"fiberserve {__version__}, torch {version('torch')}")
 
 
 def llama_server(port: int, gguf: str, peers_dir: Path, slots: int) -> PeerServer | None:
