@@ -16,7 +16,7 @@ import sys
 import typing
 from pathlib import Path
 
-from fiberserve.config import EngineConfig, ServerConfig
+from fiberserve.config import TOOL_CALL_PARSERS, EngineConfig, ServerConfig
 
 HELP = {
     "model": "a .gguf file or a Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)",
@@ -50,6 +50,10 @@ HELP = {
     "open_paths": "paths that need no API key",
     "max_body_bytes": "largest request body accepted",
     "cors_origins": "origins allowed by CORS (off when empty)",
+    "tool_call_parser": (
+        "how tool_choice 'auto' reads the model's calls: none (auto is refused) or hermes (<tool_call> JSON "
+        "blocks, as Qwen2.5 and Hermes models write them)"
+    ),
     "shutdown_timeout": "seconds SIGTERM lets in-flight requests finish before aborting them",
     "log_level": "debug, info, warning or error",
 }
@@ -60,6 +64,7 @@ CHOICES = {
     "quantization": ["none", "int4"],
     "isolation": ["per_fiber", "per_call", "none"],
     "log_level": ["debug", "info", "warning", "error"],
+    "tool_call_parser": list(TOOL_CALL_PARSERS),
 }
 SECRET = {"api_key"}
 
@@ -120,7 +125,10 @@ def server_config(values: dict) -> ServerConfig:
         raise SystemExit(f"unknown settings: {', '.join(sorted(unknown))}")
     if "api_key" not in values and os.environ.get("FIBERSERVE_API_KEY"):
         values["api_key"] = os.environ["FIBERSERVE_API_KEY"]
-    config = _build(ServerConfig, values)
+    try:
+        config = _build(ServerConfig, values)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     config.engine = _build(EngineConfig, values)
     return config
 

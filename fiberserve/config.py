@@ -56,6 +56,10 @@ class EngineConfig:
     progress: bool = True
 
 
+#: ``tool_call_parser`` values: how ``tool_choice: "auto"`` reads calls (none: it is refused).
+TOOL_CALL_PARSERS = ("none", "hermes")
+
+
 @dataclass
 class ServerConfig:
     """The HTTP server around one engine."""
@@ -71,6 +75,13 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     #: Origins allowed by CORS; empty: CORS off.
     cors_origins: tuple[str, ...] = ()
+    #: How ``tool_choice: "auto"`` reads calls in the model's output: ``none`` (auto is refused) or ``hermes``.
+    tool_call_parser: str = "none"
     #: Seconds SIGTERM waits for in-flight requests before aborting them.
     shutdown_timeout: float = 30.0
     log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            choices = ", ".join(TOOL_CALL_PARSERS)
+            raise ValueError(f"tool_call_parser must be one of {choices}, not {self.tool_call_parser!r}")

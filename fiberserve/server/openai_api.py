@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -275,10 +276,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     state.ready_service()
     state.check_model(body.model)
     try:
-        tool_mode = body.tool_mode()
+        tool_mode = body.tool_mode(state.config.tool_call_parser)
         params = body.params()
     except InvalidParameter as exc:
         raise from_engine(exc, _CHAT_NAMES) from None
+    if tool_mode == "auto" and body.skip_special_tokens is None:  # a model's call tags may be special tokens
+        params = dataclasses.replace(params, skip_special_tokens=False)
     prompt = state.encode_chat(body.messages, tools=template_tools(body.tools))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     named = body.tool_choice.function.name if tool_mode == "named" else None

@@ -3,8 +3,8 @@
 Unknown keys are tolerated (clients send engine-specific extras) and null
 means "use the default", as SGLang and vLLM behave.  Options a client sets to
 change the answer in a way this server does not implement (``suffix``, tool
-choice ``auto``, ...) are refused by name instead: an answer that silently
-ignored them would be wrong.
+choice ``auto`` without ``--tool-call-parser``, ...) are refused by name instead:
+an answer that silently ignored them would be wrong.
 """
 
 from __future__ import annotations
@@ -255,13 +255,14 @@ class ChatCompletionRequest(OpenAICommon):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
 
-    def tool_mode(self) -> str | None:
-        """``"named"`` or ``"required"`` where the answer is tool calls (see server/tools.py), else None."""
-        return tool_mode(self.tools, self.tool_choice)
+    def tool_mode(self, parser: str = "none") -> str | None:
+        """``"named"`` or ``"required"`` where the answer is tool calls, ``"auto"`` where the model chooses (under
+        the server's tool-call ``parser``), else None (see server/tools.py)."""
+        return tool_mode(self.tools, self.tool_choice, parser)
 
     def grammar(self) -> GrammarSpec | None:
         given = super().grammar()
-        if self.tool_mode() is None:
+        if not self.tools or self.tool_choice in (None, "none", "auto"):  # no grammar of the tools' own
             return given
         if given is not None:
             raise InvalidParameter(given.field, "a tool call's output cannot follow another constraint too")

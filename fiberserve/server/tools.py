@@ -14,9 +14,9 @@ machinery (engine/grammar.py) constrains the output to the call's JSON, so the c
 
 In both modes a call's ``arguments`` is the parameters' JSON text as generated, with ``json.dumps``'s spacing
 (``JsonSpacing``), streamed or not.
-- ``"auto"`` (the default with tools) is refused with a 400: choosing between text and a call takes the
-  model's own tool-call format and a parser for it, which this server does not have (vLLM answers the same
-  without ``--tool-call-parser``).
+- ``"auto"`` (the default with tools): the model chooses between text and calls, in its own format, which
+  ``--tool-call-parser`` names (``hermes``: ``hermes_tools.py``).  Without one it is refused with a 400, as vLLM
+  refuses it without ``--enable-auto-tool-choice --tool-call-parser``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fiberserve.engine.grammar import GrammarSpec
 from fiberserve.engine.sampling_params import InvalidParameter
+from fiberserve.server.hermes_tools import HermesStream, split_calls
 from fiberserve.server.tool_call_scanner import CallScanner, JsonSpacing, PartialCall
 
 #: What a function without ``parameters`` takes: nothing (OpenAI's "empty parameter list").
@@ -62,8 +63,9 @@ class NamedToolChoice(_Lenient):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-def tool_mode(tools: list[ToolSpec] | None, choice: ToolChoice | None) -> str | None:
-    """``"named"``, ``"required"`` or None (a plain answer); :class:`InvalidParameter` for what is refused."""
+def tool_mode(tools: list[ToolSpec] | None, choice: ToolChoice | None, parser: str = "none") -> str | None:
+    """``"named"``, ``"required"``, ``"auto"`` (under a ``parser``) or None (a plain answer);
+    :class:`InvalidParameter` for what is refused."""
     if not tools:
         if choice is not None and choice != "none":
             raise InvalidParameter("tools", "tool_choice other than 'none' needs tools")
@@ -71,11 +73,14 @@ def tool_mode(tools: list[ToolSpec] | None, choice: ToolChoice | None) -> str | 
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise InvalidParameter("tools", "function names must be unique")
+    if (choice is None or choice == "auto") and parser == "hermes":
+        return "auto"
     if choice is None or choice == "auto":
         raise InvalidParameter(
             "tool_choice",
-            "'auto' (the default when tools are given) needs a tool-call parser for this model, which this server "
-            "does not have; use 'required', a named function, or 'none'",
+            "'auto' (the default when tools are given) needs the server started with --tool-call-parser (hermes: "
+            "<tool_call> JSON blocks, as Qwen2.5 and Hermes models write them); use 'required', a named function, "
+            "or 'none'",
         )
     if choice == "none":
         return None
@@ -113,6 +118,11 @@ def tool_grammar(tools: list[ToolSpec], choice: ToolChoice, parallel: bool) -> G
     return GrammarSpec("json_schema", json.dumps(schema), "tools")
 
 
+def _called(finish: str | None) -> str | None:
+    """An answer with calls that stopped by itself ends with ``"tool_calls"``, as OpenAI's do."""
+    return "tool_calls" if finish == "stop" else finish
+
+
 def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -143,9 +153,17 @@ class ToolCallRenderer:
         self.spacings: dict[int, JsonSpacing] = {}  # per streamed choice (named mode)
         self.scanners: dict[int, CallScanner] = {}  # per streamed choice (required mode)
         self.sent: dict[int, list[int]] = {}  # per streamed choice: how much of each call's arguments went out
+        self.hermes: dict[int, HermesStream] = {}  # per streamed choice (auto mode)
 
     def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
         """The answer's message and finish reason for an output ``text``."""
+        if self.mode == "auto":
+            split = split_calls(text)
+            if split is None:
+                return {"role": "assistant", "content": text}, finish
+            content, calls = split
+            tool_calls = [tool_call(None, c.name, c.arguments) for c in calls]
+            return {"role": "assistant", "content": content, "tool_calls": tool_calls}, _called(finish)
         if self.mode == "named":
             call = tool_call(None, self.name, JsonSpacing().feed(text))
             return {"role": "assistant", "content": None, "tool_calls": [call]}, finish
@@ -154,13 +172,15 @@ class ToolCallRenderer:
             return {"role": "assistant", "content": text}, finish
         tool_calls = [tool_call(None, c.name, c.arguments) for c in calls]
         message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
-        return message, "tool_calls" if finish == "stop" else finish
+        return message, _called(finish)
 
     def delta(self, index: int, text: str, finish: str | None, first: bool) -> tuple[dict, str | None] | None:
         """The streamed delta for a choice's next ``text``, and its finish reason; None when there is nothing to
         send yet.  Each call's first entry carries its id and name; later ones, more of its arguments."""
         if self.mode == "named":
             return self._named_delta(index, text, finish, first)
+        if self.mode == "auto":
+            return self._auto_delta(index, text, finish, first)
         scanner = self.scanners.setdefault(index, CallScanner())
         sent = self.sent.setdefault(index, [])
         scanner.feed(text)
@@ -180,7 +200,22 @@ class ToolCallRenderer:
         if finish is None:
             return (delta, None) if delta else None
         del self.scanners[index], self.sent[index]
-        return delta, "tool_calls" if finish == "stop" and required_calls(scanner.text) is not None else finish
+        return delta, _called(finish) if required_calls(scanner.text) is not None else finish
+
+    def _auto_delta(self, index: int, text: str, finish: str | None, first: bool) -> tuple[dict, str | None] | None:
+        stream = self.hermes.setdefault(index, HermesStream())
+        before = stream.calls_made
+        content, calls = stream.feed(text)
+        if finish is not None:
+            rest, more = stream.finish()
+            content, calls = content + rest, calls + more
+            del self.hermes[index]
+        delta: dict = {"role": "assistant", "content": content} if first else {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [tool_call(before + i, c.name, c.arguments) for i, c in enumerate(calls)]
+        if finish is None:
+            return (delta, None) if delta else None
+        return delta, _called(finish) if stream.calls_made else finish
 
     def _named_delta(self, index: int, text: str, finish: str | None, first: bool) -> tuple[dict, str | None] | None:
         arguments = self.spacings.setdefault(index, JsonSpacing()).feed(text)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(cache_dir, model_path):
-    proc = ServerProcess("--fibers", "2", cache_dir=cache_dir).wait_ready()
+    proc = ServerProcess("--fibers", "2", "--tool-call-parser", "hermes", cache_dir=cache_dir).wait_ready()
     yield proc
     assert proc.stop() == 0
 
@@ -491,6 +491,41 @@ def test_tool_calls_named_required_streamed_and_answered(server):
     ]
     answer = client.chat.completions.create(**{**ask, "messages": history, "tool_choice": "none"}).choices[0]
     assert answer.message.tool_calls is None and answer.message.content
+    server.assert_idle()
+
+
+def test_auto_tool_choice_answers_text_or_the_calls_the_model_writes(server):
+    """Under --tool-call-parser hermes, "auto" (the default with tools) lets the model choose.  SmolLM2 answers in
+    text (its template shows no tools), so a regex makes it write a Hermes call for the other branch."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    ask = {
+        "model": client.models.list().data[0].id,
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "temperature": 0,
+        "max_tokens": 40,
+    }
+    plain = client.chat.completions.create(**ask).choices[0]
+    text = client.chat.completions.create(tools=[WEATHER, CLOCK], **ask).choices[0]
+    assert text.message.tool_calls is None and text.message.content == plain.message.content
+    assert text.finish_reason == plain.finish_reason
+
+    arguments = r'\{"city": "[A-Z][a-z]{1,15}", "unit": "(celsius|fahrenheit)"\}'
+    call_regex = rf'<tool_call>\n\{{"name": "get_weather", "arguments": {arguments}\}}\n</tool_call>'
+    forced = {**ask, "max_tokens": 80, "tools": [WEATHER, CLOCK], "tool_choice": "auto"}
+    forced["extra_body"] = {"guided_regex": call_regex}
+    answer = client.chat.completions.create(**forced).choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.content is None
+    [call] = answer.message.tool_calls
+    assert call.id.startswith("call_") and _is_weather_call(call.function.name, call.function.arguments)
+    chunks = list(client.chat.completions.create(stream=True, **forced))
+    entries = [e for ch in chunks for e in ch.choices[0].delta.tool_calls or []]
+    assert [(e.index, e.function.name, e.function.arguments) for e in entries] == [
+        (0, "get_weather", call.function.arguments)
+    ]
+    assert not "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "tool_calls"
     server.assert_idle()
 
 

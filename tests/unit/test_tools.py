@@ -45,6 +45,8 @@ def test_refused_tool_choices_name_their_field(tools, choice, field):
 
 def test_modes():
     assert tool_mode(None, None) is None and tool_mode(None, "none") is None
+    assert tool_mode([WEATHER], None, "hermes") == tool_mode([WEATHER], "auto", "hermes") == "auto"
+    assert tool_mode([WEATHER], "none", "hermes") is None and tool_mode(None, None, "hermes") is None
     assert tool_mode([WEATHER], "none") is None
     assert tool_mode([WEATHER, CLOCK], "required") == "required"
     assert tool_mode([WEATHER, CLOCK], named("clock")) == "named"
@@ -169,3 +171,107 @@ def test_a_required_stream_cut_short_ends_with_its_reason():
     entries = [e for delta, _ in deltas for e in delta.get("tool_calls", [])]
     assert [e["index"] for e in entries if "id" in e] == [0, 1]  # both calls had begun
     assert "".join(e["function"]["arguments"] for e in entries if e["index"] == 1) == '{"city": "Rom'
+
+
+# ---------------------------------------------------------------- "auto" under --tool-call-parser hermes
+
+CALL_PARIS = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CALL_CLOCK = '<tool_call>\n{"name": "clock", "parameters": {}}\n</tool_call>'
+#: Braces, tags and escapes inside the arguments' strings; arguments written as a JSON string.
+CALL_TRICKY = '<tool_call>{"name":"weather","arguments":"{\\"city\\": \\"</tool_call> {}\\"}"}</tool_call>'
+
+
+def _auto(text: str, finish: str = "stop") -> tuple[str | None, list[tuple[str, str]], str | None]:
+    message, reason = ToolCallRenderer("auto", None).message(text, finish)
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in message.get("tool_calls", []))
+    return message["content"], calls, reason
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls", "finish"),
+    [
+        ("Just text, <tool_ not a call.", "Just text, <tool_ not a call.", [], "stop"),
+        (CALL_PARIS, None, [("weather", '{"city": "Paris"}')], "tool_calls"),
+        (
+            "\n " + CALL_PARIS + "\n" + CALL_CLOCK + "\n",
+            None,
+            [("weather", '{"city": "Paris"}'), ("clock", "{}")],
+            "tool_calls",
+        ),
+        (
+            "Let me look.\n" + CALL_PARIS + " trailing words",
+            "Let me look.\n",
+            [("weather", '{"city": "Paris"}')],
+            "tool_calls",
+        ),
+        (CALL_TRICKY, None, [("weather", '{"city": "</tool_call> {}"}')], "tool_calls"),
+        (CALL_PARIS[: -len("</tool_call>")], None, [("weather", '{"city": "Paris"}')], "tool_calls"),  # no end tag
+        ("Hm " + CALL_PARIS + '<tool_call>{"name": 3}</tool_call>', None, [], "stop"),  # one bad call: all text
+        ('<tool_call>{"name": "weather", "arguments": {"ci', None, [], "length"),  # cut short: text
+    ],
+)
+def test_auto_answers_text_or_the_calls_it_wrote(text, content, calls, finish):
+    got_content, got_calls, got_finish = _auto(text, "length" if text.endswith('"ci') else "stop")
+    assert (got_content, got_calls, got_finish) == (content if calls else text, calls, finish)
+
+
+def _auto_stream(text: str, cuts: list[int], finish: str = "stop") -> list[tuple[dict, str | None]]:
+    render = ToolCallRenderer("auto", None)
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    made = [
+        render.delta(3, piece, finish if i == len(pieces) - 1 else None, first=i == 0) for i, piece in enumerate(pieces)
+    ]
+    assert not render.hermes  # nothing kept once the choice ends
+    return [m for m in made if m is not None]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Just text, <tool_ not a call.",
+        CALL_PARIS,
+        "\n " + CALL_PARIS + "\n" + CALL_CLOCK + "\n",
+        "Let me look.\n" + CALL_PARIS + " trailing words",
+        CALL_TRICKY,
+        CALL_PARIS[: -len("</tool_call>")],
+        "   ",
+    ],
+)
+@pytest.mark.parametrize("cut", ["characters", "thirds", "whole"])
+def test_auto_streams_add_up_to_the_unstreamed_answer(text, cut):
+    """Streamed in any pieces: the content deltas add up to the answer's content, and each call goes out whole
+    (id, name, arguments) in order; no part of a tag is ever sent as content."""
+    cuts = {"characters": list(range(1, len(text))), "thirds": [len(text) // 3, 2 * len(text) // 3], "whole": []}
+    deltas = _auto_stream(text, cuts[cut])
+    content, calls, finish = _auto(text)
+    assert deltas[0][0]["role"] == "assistant" and deltas[-1][1] == finish
+    assert all(reason is None for _, reason in deltas[:-1])
+    streamed = "".join(delta.get("content") or "" for delta, _ in deltas)
+    assert streamed == (content or "") and "<tool" not in streamed.replace("<tool_ not", "")
+    entries = [e for delta, _ in deltas for e in delta.get("tool_calls", [])]
+    assert [(e["index"], e["function"]["name"], e["function"]["arguments"]) for e in entries] == [
+        (i, name, arguments) for i, (name, arguments) in enumerate(calls)
+    ]
+
+
+def test_auto_streams_text_as_it_comes_and_holds_only_what_may_be_a_tag():
+    render = ToolCallRenderer("auto", None)
+    assert render.delta(0, "Hello", None, first=True) == ({"role": "assistant", "content": "Hello"}, None)
+    assert render.delta(0, " wor<tool", None, first=False) == ({"content": " wor"}, None)
+    assert render.delta(0, "s", None, first=False) == ({"content": "<tools"}, None)  # not a tag after all
+    assert render.delta(0, " <", None, first=False) == ({"content": " "}, None)
+    delta, finish = render.delta(0, "tool_call>{}</tool_call>", None, first=False)  # a call that does not parse
+    assert (delta, finish) == ({"content": "<tool_call>{}</tool_call>"}, None)
+    assert render.delta(0, ' <tool_call>{"name": "clo', "length", first=False) == (
+        {"content": '<tool_call>{"name": "clo'},  # cut short: what there is (text after a call is not sent)
+        "length",
+    )
+
+
+def test_the_tool_call_parser_setting_is_checked():
+    from fiberserve.config import ServerConfig
+
+    assert ServerConfig(tool_call_parser="hermes").tool_call_parser == "hermes"
+    with pytest.raises(ValueError, match="tool_call_parser must be one of none, hermes, not 'xml'"):
+        ServerConfig(tool_call_parser="xml")
