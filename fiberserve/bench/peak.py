@@ -52,10 +52,13 @@ class Peaks:
     q4_1: float
 
     def describe(self) -> str:
+        def rate(ops: float, unit: str) -> str:
+            return f"{ops / 1e9:.0f} {unit}" if ops else "- (the CPU lacks it)"
+
         q4_1 = f"{self.q4_1 / 1e9:.0f} GOP/s ({self.q4_1 / self.int8:.0%} of int8)" if self.int8 else "-"
         return (
-            f"{self.threads} threads: bf16 {self.bf16 / 1e9:.0f} GFLOP/s (vdpbf16ps), int8 {self.int8 / 1e9:.0f} "
-            f"GOP/s (vpdpbusd), int8 in Q4_1 blocks {q4_1}, fp32 {self.fp32 / 1e9:.0f} GFLOP/s (vfmadd231ps)"
+            f"{self.threads} threads: bf16 {rate(self.bf16, 'GFLOP/s')} (vdpbf16ps), int8 {rate(self.int8, 'GOP/s')} "
+            f"(vpdpbusd), int8 in Q4_1 blocks {q4_1}, fp32 {rate(self.fp32, 'GFLOP/s')} (vfmadd231ps)"
         )
 
 

@@ -46,3 +46,13 @@ def test_bench_peak_command_prints_the_peaks_and_bounds(model_path, cache_dir, c
     assert "GFLOP per generated token 0.269, per prompt token 0.212" in out
     assert "decode-only bound at the bf16 peak" in out and "vdpbf16ps" in out
     assert "decode-only bound at the q4_1 peak" in out and "int8 in Q4_1 blocks" in out
+
+
+def test_a_peak_the_cpu_lacks_is_said_so_not_zero():
+    lacking = Peaks(threads=2, fp32=203e9, bf16=0, int8=0, q4_1=0).describe()
+    assert lacking == (
+        "2 threads: bf16 - (the CPU lacks it) (vdpbf16ps), int8 - (the CPU lacks it) (vpdpbusd), "
+        "int8 in Q4_1 blocks -, fp32 203 GFLOP/s (vfmadd231ps)"
+    )
+    full = Peaks(threads=2, fp32=229e9, bf16=466e9, int8=934e9, q4_1=678e9).describe()
+    assert "bf16 466 GFLOP/s (vdpbf16ps), int8 934 GOP/s (vpdpbusd), int8 in Q4_1 blocks 678 GOP/s (73% of" in full
