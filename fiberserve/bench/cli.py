@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import sys
 from dataclasses import asdict, replace
@@ -174,11 +175,24 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 )
             finally:
                 server.stop()
-    plot(series, str(out_dir / "benchmarks.png"))
+    plot_path = out_dir / "benchmarks.png"
+    plot(series, str(plot_path))
     command = " ".join(["fiberserve", "bench", *map(shlex.quote, args.argv)])
     per_round = {name: [[r.output_tokens_per_s for r in run] for run in runs] for name, runs in rounds.items()}
+    shown_plot = os.path.relpath(plot_path.resolve(), Path(args.output).resolve().parent)  # as the report links it
     text = render(
-        command, args.concurrency, series, streamed, ablation, servers, missing, peaks, flops, args.notes, per_round
+        command,
+        args.concurrency,
+        series,
+        streamed,
+        ablation,
+        servers,
+        missing,
+        peaks,
+        flops,
+        args.notes,
+        per_round,
+        plot=shown_plot,
     )
     Path(args.output).write_text(text)
     (out_dir / "results.json").write_text(

@@ -89,6 +89,7 @@ def render(
     flops: TokenFlops,
     notes: str,
     rounds: dict[str, list[list[float]]] | None = None,
+    plot: str = "bench-results/benchmarks.png",
 ) -> str:
     """BENCHMARKS.md: the table and ratios, the issue's targets as this run measured them (``targets.py``), the
     compute bound, latencies, streaming, the ablation, then the hand-written ``notes`` file (where the time goes,
@@ -161,7 +162,7 @@ def render(
         for name, runs in (rounds or {}).items():
             cells = [" / ".join(f"{run[i]:.1f}" for run in runs) for i in range(len(levels))]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "![throughput and latency](bench-results/benchmarks.png)", ""]
+    lines += ["", f"![throughput and latency]({plot})", ""]
     if Path(notes).is_file():
         lines += [Path(notes).read_text()]
     return "\n".join(lines)

@@ -56,6 +56,9 @@ def test_report_ratios_and_compute_bound_shares(tmp_path):
     text = render("c", [1, 64], series, {}, {}, servers, [], no_dot, flops, str(tmp_path / "absent.md"))
     assert "| fiberserve | 64 | 1000.0 | 0.50 | 50% | 1250 | - | - | - |" in text
     assert "bf16 peak: none (the CPU lacks the instruction) (issue 7" in text
+    assert "![throughput and latency](bench-results/benchmarks.png)" in text  # the default output's plot
+    moved = render("c", [1], series, {}, {}, servers, [], no_dot, flops, "absent.md", plot="../out/benchmarks.png")
+    assert "![throughput and latency](../out/benchmarks.png)" in moved
 
 
 def test_rounds_report_the_median_round_and_list_every_round(tmp_path):
