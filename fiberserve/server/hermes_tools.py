@@ -13,7 +13,7 @@ parser reads it:
 - a call ends at the first ``</tool_call>`` outside its JSON strings (vLLM's ends at the first one);
 - each call's ``arguments`` is its JSON object as ``json.dumps`` writes it (``"parameters"`` is read as
   ``"arguments"``, and arguments written as a JSON string are parsed); a last call without its closing tag
-  still counts;
+  still counts; a pair of tags may also hold a list of calls, as SmolLM2's function-calling prompt asks;
 - an output with a call that does not parse is answered as text, whole; ``finish_reason`` is ``"tool_calls"``
   when there are calls and the output stopped by itself.
 
@@ -31,18 +31,30 @@ from fiberserve.server.tool_call_scanner import JsonStrings, PartialCall
 START, END = "<tool_call>", "</tool_call>"
 
 
-def parse_call(body: str) -> PartialCall | None:
-    """The call written between the tags, or None if it is not ``{"name": str, "arguments": object}``."""
-    try:
-        call = json.loads(body)
-        arguments = call.get("arguments", call.get("parameters", {}))
-        if isinstance(arguments, str):
+def _call(written: object) -> PartialCall | None:
+    """``{"name": str, "arguments": object}`` as a call, else None."""
+    if not isinstance(written, dict) or not isinstance(written.get("name"), str):
+        return None
+    arguments = written.get("arguments", written.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
             arguments = json.loads(arguments)
-    except (json.JSONDecodeError, AttributeError):
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
         return None
-    if not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
+    return PartialCall(written["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def parse_calls(body: str) -> list[PartialCall] | None:
+    """The calls written between one pair of tags: a call object, or a non-empty list of them (the format
+    SmolLM2's function-calling prompt asks for); None if any does not parse."""
+    try:
+        written = json.loads(body)
+    except json.JSONDecodeError:
         return None
-    return PartialCall(call["name"], json.dumps(arguments, ensure_ascii=False))
+    calls = [_call(w) for w in (written if isinstance(written, list) and written else [written])]
+    return None if any(call is None for call in calls) else calls
 
 
 def _call_end(text: str, begin: int, strings: JsonStrings) -> tuple[int, int]:
@@ -69,10 +81,10 @@ def split_calls(text: str) -> tuple[str | None, list[PartialCall]] | None:
     while start >= 0:
         body = start + len(START)
         end, _ = _call_end(text, body, JsonStrings())
-        call = parse_call(text[body:end] if end >= 0 else text[body:])
-        if call is None:
+        written = parse_calls(text[body:end] if end >= 0 else text[body:])
+        if written is None:
             return None
-        calls.append(call)
+        calls += written
         start = text.find(START, end + len(END)) if end >= 0 else -1
     content = text[:first]
     return (content if content.strip() else None), calls
@@ -137,12 +149,12 @@ class HermesStream:
     def _close(self, written: str, content: list[str], calls: list[PartialCall]) -> None:
         """The call written after ``<tool_call>`` (its closing tag too, if it came) becomes a call, or content."""
         self.in_call = False
-        call = parse_call(written.removesuffix(END))
-        if call is None:
+        parsed = parse_calls(written.removesuffix(END))
+        if parsed is None:
             content.append(START + written)
         else:
-            calls.append(call)
-            self.calls_made += 1
+            calls += parsed
+            self.calls_made += len(parsed)
 
     def _content(self, text: str) -> str:
         """Leading whitespace is held back until something else follows it, so that an output that is only calls

@@ -177,6 +177,9 @@ def test_a_required_stream_cut_short_ends_with_its_reason():
 
 CALL_PARIS = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 CALL_CLOCK = '<tool_call>\n{"name": "clock", "parameters": {}}\n</tool_call>'
+#: As SmolLM2's function-calling prompt asks for calls: a list of them in one pair of tags.
+CALL_LIST = '<tool_call>[\n{"name": "clock", "arguments": {}},\n{"name": "weather", "arguments": {"city": "Rome"}}\n]'
+CALL_LIST += "</tool_call>"
 #: Braces, tags and escapes inside the arguments' strings; arguments written as a JSON string.
 CALL_TRICKY = '<tool_call>{"name":"weather","arguments":"{\\"city\\": \\"</tool_call> {}\\"}"}</tool_call>'
 
@@ -209,6 +212,8 @@ def _auto(text: str, finish: str = "stop") -> tuple[str | None, list[tuple[str, 
         (CALL_PARIS[: -len("</tool_call>")], None, [("weather", '{"city": "Paris"}')], "tool_calls"),  # no end tag
         ("Hm " + CALL_PARIS + '<tool_call>{"name": 3}</tool_call>', None, [], "stop"),  # one bad call: all text
         ('<tool_call>{"name": "weather", "arguments": {"ci', None, [], "length"),  # cut short: text
+        (CALL_LIST, None, [("clock", "{}"), ("weather", '{"city": "Rome"}')], "tool_calls"),
+        ("<tool_call>[]</tool_call>", None, [], "stop"),  # an empty list is not a call
     ],
 )
 def test_auto_answers_text_or_the_calls_it_wrote(text, content, calls, finish):
@@ -235,6 +240,7 @@ def _auto_stream(text: str, cuts: list[int], finish: str = "stop") -> list[tuple
         "Let me look.\n" + CALL_PARIS + " trailing words",
         CALL_TRICKY,
         CALL_PARIS[: -len("</tool_call>")],
+        CALL_LIST + CALL_PARIS,
         "   ",
     ],
 )
