@@ -90,7 +90,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_peak(args: argparse.Namespace) -> int:
     from fiberserve.model.assets import default_model_path
 
-    peaks = measure_peaks()
+    peaks = measure_peaks(build_dir=Path(args.cache_dir) / "build")
     flops = linear_flops(read_config(args.model or default_model_path(args.cache_dir)))
     print(peaks.describe())
     print(f"GFLOP per generated token {flops.generated / 1e9:.3f}, per prompt token {flops.prompt / 1e9:.3f}")
@@ -108,7 +108,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     gguf = args.model or str(default_model_path(cache))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    peaks = measure_peaks()  # first, while the machine is idle
+    peaks = measure_peaks(build_dir=cache / "build")  # first, while the machine is idle
     print(peaks.describe(), file=sys.stderr)
     flops = linear_flops(read_config(gguf))
     base = LoadSpec(url="", requests=args.requests, duration_s=args.duration, prompt_words=40, output_len=64)

@@ -13,30 +13,45 @@ the count, so the bound is optimistic.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
+import shutil
+import subprocess
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from fiberserve.config import default_cache_dir
 from fiberserve.model.config import ModelConfig
 
 _lock = threading.Lock()
-_module = None
+_SOURCE = Path(__file__).with_name("peak.cpp")
 
 
-def _extension():
-    global _module
+def _library(build_dir: Path) -> ctypes.CDLL:
+    """``peak.cpp`` built (once per version and machine: the file is named after the source's hash, and
+    ``-march=native`` targets this CPU) into ``build_dir`` and loaded."""
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
+    path = build_dir / f"fiberserve_peak_{digest}.so"
     with _lock:
-        if _module is None:
-            from torch.utils.cpp_extension import load
-
-            source = Path(__file__).with_name("peak.cpp")
-            digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]  # one build per version, as the kernels
-            _module = load(
-                name=f"fiberserve_peak_{digest}", sources=[str(source)], extra_cflags=["-O3", "-march=native"]
-            )
-        return _module
+        if not path.exists():
+            compiler = next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+            if compiler is None:
+                raise RuntimeError("fiberserve bench peak needs a C++ compiler (c++, g++ or clang++)")
+            build_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=build_dir) as tmp:  # built aside, then renamed: atomic
+                built = Path(tmp) / path.name
+                command = [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread"]
+                done = subprocess.run([*command, str(_SOURCE), "-o", str(built)], capture_output=True, text=True)
+                if done.returncode:
+                    raise RuntimeError(f"building {_SOURCE.name} failed ({' '.join(command)}):\n{done.stderr}")
+                os.replace(built, path)
+        library = ctypes.CDLL(str(path))
+    library.fiberserve_peak_ops_per_second.restype = ctypes.c_double
+    library.fiberserve_peak_ops_per_second.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64]
+    return library
 
 
 @dataclass(frozen=True)
@@ -62,11 +77,15 @@ class Peaks:
         )
 
 
-def measure_peaks(threads: int | None = None, iterations: int = 50_000_000) -> Peaks:
-    """Time each instruction kind on ``threads`` threads (default: every CPU); ~0.3 s per kind."""
+def measure_peaks(threads: int | None = None, iterations: int = 50_000_000, build_dir: Path | None = None) -> Peaks:
+    """Time each instruction kind on ``threads`` threads (default: every CPU); ~0.3 s per kind.  The timing code
+    is compiled on first use into ``build_dir`` (default: ``build`` in the cache directory)."""
     threads = threads or os.cpu_count() or 1
-    ext = _extension()
-    rate = {kind: ext.peak_ops_per_second(kind, threads, iterations) for kind in ("fp32", "bf16", "int8", "q4_1")}
+    library = _library(build_dir or default_cache_dir() / "build")
+    rate = {
+        kind: library.fiberserve_peak_ops_per_second(kind.encode(), threads, iterations)
+        for kind in ("fp32", "bf16", "int8", "q4_1")
+    }
     return Peaks(threads=threads, **rate)
 
 

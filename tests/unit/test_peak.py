@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,13 +33,29 @@ def test_linear_flops_of_smollm2_135m():
     assert bound_tokens_per_s(2 * 0.269e12, flops) == pytest.approx(2 * 0.269e12 / flops.generated)
 
 
-def test_peaks_exist_exactly_where_the_cpu_has_the_instructions():
+def test_peaks_exist_exactly_where_the_cpu_has_the_instructions(tmp_path):
     flags = set(Path("/proc/cpuinfo").read_text().split())
-    peaks = measure_peaks(threads=1, iterations=2_000_000)
+    peaks = measure_peaks(threads=1, iterations=2_000_000, build_dir=tmp_path)
     assert isinstance(peaks, Peaks) and peaks.threads == 1
     assert (peaks.fp32 > 0) == ("avx512f" in flags or "fma" in flags)
     assert (peaks.bf16 > 0) == ("avx512_bf16" in flags)
     assert (peaks.int8 > 0) == ("avx512_vnni" in flags) == (peaks.q4_1 > 0)
+    assert [p.name for p in tmp_path.iterdir()] == [next(tmp_path.glob("fiberserve_peak_*.so")).name]  # built once
+
+
+def test_measuring_the_peaks_needs_no_torch(tmp_path):
+    """The timing code is plain C++ behind ctypes: ``fiberserve bench`` runs without PyTorch."""
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from fiberserve.bench.peak import measure_peaks\n"
+        f"peaks = measure_peaks(threads=2, iterations=100_000, build_dir=Path({str(tmp_path)!r}))\n"
+        f"assert peaks.threads == 2 and (peaks.fp32 > 0) == {'avx512f' in flags or 'fma' in flags}\n"
+        "assert 'torch' not in sys.modules, 'measuring the peaks loaded torch'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def test_bench_peak_command_prints_the_peaks_and_bounds(model_path, cache_dir, capsys):
