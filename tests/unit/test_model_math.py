@@ -131,6 +131,30 @@ def test_quantized_gguf_is_dequantized_by_the_gguf_package(tmp_path, qtype):
     assert (approx - full).abs().max() < (0.05 if qtype in ("F16", "BF16", "Q8_0") else 1.5)
 
 
+def test_the_fast_gguf_reader_reads_what_gguf_reads(tmp_path):
+    """``open_gguf`` reads through a plain view of the mapping (see its docstring): every field, tensor name,
+    type, shape and byte the same as ``gguf.GGUFReader``'s, the tensors still mapped, not copied."""
+    import gguf
+    import numpy as np
+
+    from fiberserve.model.config import open_gguf
+
+    path = write_gguf(tmp_path / "q.gguf", TINY, random_weights(TINY), qtype=gguf.GGMLQuantizationType.Q4_1)
+    ours, theirs = open_gguf(path), gguf.GGUFReader(str(path))
+    assert type(ours.data) is np.ndarray and type(theirs.data) is np.memmap  # the override ran
+    assert list(ours.fields) == list(theirs.fields)
+    assert all(ours.fields[key].contents() == theirs.fields[key].contents() for key in theirs.fields)
+    assert [(t.name, t.tensor_type, list(t.shape)) for t in ours.tensors] == [
+        (t.name, t.tensor_type, list(t.shape)) for t in theirs.tensors
+    ]
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert np.array_equal(a.data, b.data) and not a.data.flags.owndata
+    bad = tmp_path / "not-gguf.bin"
+    bad.write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(ValueError, match=r"--model .*not-gguf\.bin: not a GGUF file"):
+        open_gguf(bad)
+
+
 def test_unsupported_architecture_is_named(tmp_path):
     path = write_hf(tmp_path / "m", TINY, random_weights(TINY))
     config = json.loads((path / "config.json").read_text())
