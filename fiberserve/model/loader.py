@@ -74,8 +74,10 @@ def load_gguf(path: Path, progress: bool = True) -> Checkpoint:
     weights: dict[str, torch.Tensor] = {}
     freq_factors = None
     for tensor in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress):
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        value = torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: the reader maps the file read-only
+        array = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if not array.flags.writeable:  # the file's own float32 data, mapped read-only: copied
+            array = array.copy()
+        value = torch.from_numpy(array)  # a dequantized tensor is a new array already (copying it took 1.9 s)
         if tensor.name == "rope_freqs.weight":
             freq_factors = value
             continue
