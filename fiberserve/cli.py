@@ -36,6 +36,10 @@ HELP = {
     "max_model_len": "longest context (prompt + output) a request may use (default: the model's context length)",
     "max_running": "most sequences running at once",
     "max_batch_tokens": "token budget of one flight (long prompts are prefilled in chunks of this)",
+    "decode_steps": (
+        "decode steps a batch of plain decodes runs before it returns to the scheduler (each step's tokens "
+        "still stream at once; a new request ends the run after the current step); 1 = off"
+    ),
     "prefix_caching": "reuse KV pages of prompt prefixes already computed",
     "max_queue": "most sequences waiting for admission; beyond it requests get 503 at once",
     "invocation_timeout": "seconds one model invocation may take before its flight fails and its fiber is replaced",

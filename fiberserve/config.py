@@ -43,6 +43,10 @@ class EngineConfig:
     max_model_len: int | None = None
     max_running: int = 64
     max_batch_tokens: int = 512
+    #: Decode steps a flight of plain decodes may run before it lands (vLLM's former ``--num-scheduler-steps``):
+    #: each step lands on the host while the next computes, and a new arrival halts the flight after its
+    #: current step.  1: every step lands before the next boards.
+    decode_steps: int = 8
     prefix_caching: bool = True
     #: Requests waiting for admission beyond which new ones are refused (the server answers 503).
     max_queue: int = 512

@@ -14,6 +14,12 @@ Policy, in the order :meth:`Scheduler.next_flight` applies it:
    recently arrived running sequence that is not in the air (it loses the
    least work; its full pages stay in the prefix cache, so its recompute is
    often cheap); the victim goes back to the front of the queue.
+4. A flight of plain decodes (every item ``decodes_freely``) with nobody
+   waiting may run up to ``decode_steps`` steps before it lands, bounded by
+   each sequence's remaining tokens and by the pages free to reserve for
+   them now (never by preempting).  Each step lands as it comes
+   (:meth:`on_step`); a new arrival halts such flights after their current
+   step, so admission waits at most one step.
 
 Every sequence ends in exactly one of stop, length, abort, error, and its
 pages are released in all four (:meth:`finish`).  A sequence in the air is
@@ -32,12 +38,14 @@ from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent, St
 
 
 class Scheduler:
-    def __init__(self, pages: PagePool, max_running: int, max_batch_tokens: int) -> None:
+    def __init__(self, pages: PagePool, max_running: int, max_batch_tokens: int, decode_steps: int = 1) -> None:
         self.pages = pages
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
+        self.decode_steps = decode_steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.multi_step_flights: list[Flight] = []  #: in the air
         self.preemptions = 0
         #: Called with every sequence as it finishes, whatever the reason (metrics listen here: an aborted
         #: sequence in the air finishes when its flight lands, after its request has been let go).
@@ -47,6 +55,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        for flight in self.multi_step_flights:
+            flight.halted = True
 
     def abort(self, seq: Sequence) -> None:
         """Stop ``seq`` now, or when its flight lands if it is in the air."""
@@ -75,7 +85,24 @@ class Scheduler:
                 break  # FIFO: later arrivals do not overtake one waiting for pages
             self.waiting.popleft()
             budget -= self._board(seq, budget, items, may_preempt=False)
-        return Flight(items) if items else None
+        if not items:
+            return None
+        flight = Flight(items, steps=self._decode_steps(items))
+        if flight.steps > 1:
+            self.multi_step_flights.append(flight)
+        return flight
+
+    def _decode_steps(self, items: list[FlightItem]) -> int:
+        """How many steps a flight of ``items`` may run (policy 4); reserves the pages they need."""
+        if self.decode_steps <= 1 or self.waiting or not all(item.decodes_freely for item in items):
+            return 1
+        steps = min(self.decode_steps, *(item.seq.max_tokens - len(item.seq.output_ids) for item in items))
+        for item in items:
+            if steps > 1 and not self._reserve(item.seq, item.start + steps, items, may_preempt=False):
+                steps = len(item.seq.pages) * self.pages.page_size - item.start  # what its pages cover
+        for item in items:
+            item.pages = tuple(item.seq.pages)
+        return max(1, steps)
 
     def _admit(self, seq: Sequence) -> bool:
         # A prompt being scored is computed whole: cached pages would skip the rows that score it.
@@ -132,10 +159,32 @@ class Scheduler:
 
     # ------------------------------------------------------------------ landing
 
+    def on_step(self, flight: Flight, result: FlightResult) -> None:
+        """A step of a multi-step flight, handed over while the next one computes: its tokens are recorded and
+        streamed as at landing, but its sequences stay in the air (one that ends is finished at landing)."""
+        if not flight.landed:  # else the flight failed meanwhile (a timeout) and its sequences are finished
+            self._record(result)
+
     def on_flight_done(self, flight: Flight, result: FlightResult) -> None:
-        for item, sampled, scored in zip(flight.items, result.tokens, result.prompt_logprobs, strict=True):
+        self._record(result)
+        self._land(flight)
+        for item in flight.items:
             seq = item.seq
-            seq.in_flight = False
+            if seq.finishing is not None:
+                self.finish(seq, seq.finish_reason, seq.finishing)
+            elif seq.abort_requested:
+                self.finish(seq, FinishReason.ABORT)
+            elif seq.max_tokens <= 0 and seq.num_computed == seq.num_tokens:  # a prompt scored, nothing to add
+                self.finish(seq, FinishReason.LENGTH)
+
+    def _record(self, result: FlightResult) -> None:
+        """What a landing step tells its sequences: computed tokens (pages filled go to the prefix cache),
+        prompt logprobs, and the sampled tokens, streamed; a sequence that ends keeps its final event in
+        ``finishing``, and the later steps of its flight are dropped."""
+        for item, sampled, scored in zip(result.items, result.tokens, result.prompt_logprobs, strict=True):
+            seq = item.seq
+            if seq.finishing is not None or seq.finished:
+                continue
             seq.num_computed = item.start + item.length
             if scored:  # a recompute after preemption scores the same positions again, to the same values
                 first = item.scored_prompt.start + 1
@@ -144,22 +193,29 @@ class Scheduler:
                 seq.registered_pages = self.pages.register(
                     seq.pages, seq.tokens[: seq.num_computed], seq.registered_pages
                 )
-            if seq.abort_requested:
-                self.finish(seq, FinishReason.ABORT)
-            elif sampled is not None:
+            if sampled is not None and not seq.abort_requested:
                 event = append_token(seq, *sampled)
                 if event.finished:
-                    self.finish(seq, seq.finish_reason, event)
+                    seq.finishing = event
                 else:
                     seq.events.put_nowait(event)
-            elif seq.max_tokens <= 0 and seq.num_computed == seq.num_tokens:  # a prompt scored, nothing to add
-                self.finish(seq, FinishReason.LENGTH)
 
-    def on_flight_failed(self, flight: Flight, error: BaseException) -> None:
+    def _land(self, flight: Flight) -> None:
+        flight.landed = flight.halted = True  # halted: a worker still running a failed flight stops after this step
+        if flight.steps > 1:
+            self.multi_step_flights.remove(flight)
         for item in flight.items:
             item.seq.in_flight = False
-            item.seq.error = f"{type(error).__name__}: {error}"
-            self.finish(item.seq, FinishReason.ABORT if item.seq.abort_requested else FinishReason.ERROR)
+
+    def on_flight_failed(self, flight: Flight, error: BaseException) -> None:
+        self._land(flight)
+        for item in flight.items:
+            seq = item.seq
+            if seq.finishing is not None:  # it ended at an earlier step of the flight
+                self.finish(seq, seq.finish_reason, seq.finishing)
+                continue
+            seq.error = f"{type(error).__name__}: {error}"
+            self.finish(seq, FinishReason.ABORT if seq.abort_requested else FinishReason.ERROR)
 
     def finish(self, seq: Sequence, reason: FinishReason, event: SequenceEvent | None = None) -> None:
         """End ``seq`` with ``reason``: release its pages and tell its consumer (exactly once)."""
@@ -186,6 +242,7 @@ class Scheduler:
             self.pages.total_references
         )
         assert all(s.status is Status.RUNNING for s in self.running)
+        assert all(i.seq.in_flight and f.steps > 1 for f in self.multi_step_flights for i in f.items)
         assert all(s.status is Status.WAITING and not s.pages for s in self.waiting)
         if not self.running and not self.waiting:
             assert self.pages.used_pages == 0, f"{self.pages.used_pages} pages in use with no sequence"

@@ -71,6 +71,9 @@ class Sequence:
         self.cached_tokens = 0  #: prompt tokens served from the prefix cache
         self.in_flight = False
         self.abort_requested = False
+        #: The final event of a sequence that ended inside a multi-step flight; it is finished (and this event
+        #: delivered) when the flight lands, since its pages may still be written until then.
+        self.finishing: SequenceEvent | None = None
         self.finish_reason: FinishReason | None = None
         self.matched_stop: str | int | None = None
         self.error: str | None = None

@@ -5,12 +5,15 @@ batch loop boards flights while a fiber is idle; each flight runs as
 ``async with pool.acquire() as fiber: await program.invoke(fiber, flight)``;
 landing appends tokens, streams text and frees finished sequences' pages.
 Because boarding does not wait for the previous flight to land, up to
-``fibers`` flights are in the air at once.
+``fibers`` flights are in the air at once.  A flight of plain decodes may
+run several steps on its fiber, each landing on this loop as the next one
+computes (``decode_steps``; see the runner and the scheduler).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -157,7 +160,7 @@ class LlmService:
         num_pages = config.kv_pages or max(2, int(config.kv_cache_mb * 2**20) // page_bytes)
         self.kv_cache = KVCache(model.config, num_pages, config.page_size, model.dtype, model.device)
         self.pages = PagePool(num_pages, config.page_size, config.prefix_caching)
-        self.scheduler = Scheduler(self.pages, config.max_running, config.max_batch_tokens)
+        self.scheduler = Scheduler(self.pages, config.max_running, config.max_batch_tokens, config.decode_steps)
         self.faults = FaultInjector(config.fault_rate)
         threads = config.threads_per_fiber or max(1, (os.cpu_count() or 1) // config.fibers)
         self.program = Program(
@@ -212,6 +215,7 @@ class LlmService:
     # ------------------------------------------------------------------ the batching step
 
     async def _batch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -219,6 +223,7 @@ class LlmService:
                 flight = self.scheduler.next_flight()
                 if flight is None:
                     break
+                flight.on_step = functools.partial(loop.call_soon_threadsafe, self.scheduler.on_step, flight)
                 self._flights.add(asyncio.create_task(self._fly(flight)))
 
     async def _fly(self, flight: Flight) -> None:

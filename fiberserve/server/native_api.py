@@ -69,6 +69,7 @@ async def server_info(request: Request) -> dict:
         "max_total_num_tokens": service.pages.num_pages * service.pages.page_size,
         "max_running_requests": cfg.max_running,
         "max_batch_tokens": cfg.max_batch_tokens,
+        "decode_steps": cfg.decode_steps,
         "max_queue": cfg.max_queue,
         "context_length": service.max_context,
         "kv_pages": {

@@ -319,3 +319,82 @@ async def test_max_model_len_caps_every_request_s_context(engine):
     for bad in (0, engine.service().max_context + 1):
         with pytest.raises(ValueError, match="--max-model-len must be between 1 and the model's context length"):
             engine.service(max_model_len=bad)
+
+
+async def _all_events(svc, seq) -> list:
+    return [event async for event in svc.events(seq)]
+
+
+async def test_multi_step_flights_give_the_tokens_text_and_events_of_single_steps(engine, tokenizer):
+    """``decode_steps`` changes how often flights land, not what they produce: the same tokens, text, finish
+    reasons and logprobs as landing after every step, one streamed event per token, and fewer flights."""
+    count = tokenizer.encode("Count: 1, 2, 3, 4, 5, 6, 7,")
+    chat = engine.chat_prompts(3)
+    cases = [
+        (count, SamplingParams(max_new_tokens=40, temperature=0, stop=[" 12"])),  # a stop string mid-flight
+        (chat[0], SamplingParams(max_new_tokens=200, temperature=0)),  # ends on EOS
+        (chat[1], SamplingParams(max_new_tokens=37, temperature=0.8, seed=3, n=2, logprobs=True, top_logprobs=2)),
+        (chat[2], SamplingParams(max_new_tokens=29, temperature=0, ignore_eos=True, logit_bias={13: 2.0})),
+    ]
+    results = {}
+    for steps in (1, 8):
+        svc = engine.service(decode_steps=steps)
+        await svc.start()
+        try:
+            requests = [svc.submit(prompt, params) for prompt, params in cases]
+            events = [[await _all_events(svc, seq) for seq in r.seqs] for r in requests]
+            outputs = [r.output() for r in requests]
+            results[steps] = (outputs, events, svc.flights_run)
+            await asyncio.sleep(0)
+            assert svc.is_idle() and svc.pages.used_pages == 0
+            svc.check_integrity()
+        finally:
+            await svc.close()
+    (single, single_events, single_flights), (multi, multi_events, multi_flights) = results[1], results[8]
+    for a, b in zip(single, multi, strict=True):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert (x.token_ids, x.text, x.finish_reason, x.matched_stop) == (
+                y.token_ids,
+                y.text,
+                y.finish_reason,
+                y.matched_stop,
+            )
+            assert [(p.token_id, p.logprob, p.top) for p in x.logprobs] == [
+                (p.token_id, p.logprob, p.top) for p in y.logprobs
+            ]
+    assert multi[0].outputs[0].finish_reason == "stop" and multi[0].outputs[0].matched_stop == " 12"
+    assert multi[1].outputs[0].matched_stop == 2
+    for request_events, request in zip(multi_events, multi, strict=True):
+        for seq_events, completion in zip(request_events, request.outputs, strict=True):
+            assert len(seq_events) == len(completion.token_ids)  # streamed step by step, not flight by flight
+            assert "".join(e.delta for e in seq_events) == completion.text
+    assert multi_events == single_events
+    assert multi_flights < single_flights / 3, (multi_flights, single_flights)
+
+
+async def test_a_new_request_halts_a_multi_step_flight_after_its_current_step(engine):
+    """Admission waits at most one step: with flights allowed 10000 steps, a short request sent while a long one
+    decodes still finishes first.  An abort likewise ends the long one's flight; every page comes back."""
+    long_prompt, short_prompt = engine.chat_prompts(2)
+    svc = engine.service(decode_steps=10_000)
+    await svc.start()
+    try:
+        long = svc.submit(long_prompt, SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True))
+        [seq] = long.seqs
+        while len(seq.output_ids) < 2:
+            await asyncio.sleep(0.01)
+        assert svc.scheduler.multi_step_flights, "the long request should be in a multi-step flight"
+        short = await svc.generate(short_prompt, SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
+        assert len(short.outputs[0].token_ids) == 4
+        assert not seq.finished and len(seq.output_ids) < 400
+        svc.abort(long)
+        out = await svc.wait(long)
+        assert out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) < 400
+        for _ in range(100):
+            if svc.is_idle():
+                break
+            await asyncio.sleep(0.05)
+        assert svc.is_idle() and svc.pages.used_pages == 0 and not svc.scheduler.multi_step_flights
+        svc.check_integrity()
+    finally:
+        await svc.close()
