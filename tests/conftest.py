@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -40,6 +41,15 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     weights = random_weights(TINY)
     return {"hf": write_hf(root / "hf", TINY, weights), "gguf": write_gguf(root / "tiny.gguf", TINY, weights)}
+
+
+@pytest.fixture(scope="session")
+def start_server(cache_dir: str, tmp_path_factory):
+    """``start_server(*flags)``: a real server process (``ServerProcess``), logging into pytest's temporary
+    directory (pytest keeps the last three runs' and removes older ones)."""
+    from tests.integration.server_utils import ServerProcess
+
+    return functools.partial(ServerProcess, cache_dir=cache_dir, log_dir=tmp_path_factory.mktemp("server-logs"))
 
 
 def pytest_configure(config) -> None:

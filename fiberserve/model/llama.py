@@ -42,6 +42,7 @@ duplication.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,10 @@ class ForwardBatch:
     write_slots: torch.Tensor  #: LongTensor [T]: where each new token's K/V goes
     spans: list[SequenceSpan]
     logit_rows: torch.Tensor  #: LongTensor [R]: rows whose logits are returned
+    #: Called just before the decoder layers run: on CPU the longest stretch of a step without the GIL, so a
+    #: thread this wakes runs its Python then rather than stall the step's own (the runner hands the previous
+    #: step of a multi-step flight to the event loop here).
+    before_layers: Callable[[], object] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -372,6 +377,8 @@ class LlamaModel:
         tokens, positions = tokens.to(self.device), positions.to(self.device)
         write_slots = batch.write_slots.to(self.device)
         h = self.embed[tokens].float()  # the residual stream stays float32 (see the module docstring)
+        if batch.before_layers is not None:
+            batch.before_layers()
         if self.native_layers:
             plan = _KernelPlan.build(batch, cache.page_size, tokens.numel())
             attention = (plan.pages, plan.row_span, plan.row_keys, cache.page_size, self.scale)

@@ -21,10 +21,10 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *flags: str, cache_dir: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *flags: str, cache_dir: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"fiberserve-test-{self.port}.log"
+        self.log_path = log_dir / f"server-{self.port}.log"
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         command = [
             sys.executable,

@@ -15,14 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.integration.server_utils import ServerProcess
-
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def server(cache_dir, model_path):
-    proc = ServerProcess("--fibers", "2", "--max-body-bytes", "65536", cache_dir=cache_dir).wait_ready()
+def server(start_server, model_path):
+    proc = start_server("--fibers", "2", "--max-body-bytes", "65536").wait_ready()
     yield proc
     assert proc.stop() == 0
 
@@ -284,8 +282,8 @@ def test_disconnecting_non_streaming_client_aborts_its_request(server):
     assert since.get("abort") == 1 and since.get("length", 0) == 0 and since["tokens"] < 500, since
 
 
-def test_overload_gets_fast_503s_and_loses_nothing(cache_dir, model_path):
-    proc = ServerProcess("--max-queue", "8", "--max-running", "8", "--fibers", "2", cache_dir=cache_dir).wait_ready()
+def test_overload_gets_fast_503s_and_loses_nothing(start_server, model_path):
+    proc = start_server("--max-queue", "8", "--max-running", "8", "--fibers", "2").wait_ready()
     try:
         prompts = [f"Fact number {i % 5}:" for i in range(300)]
         # Long enough answers that the admitted requests are still decoding while the health probe runs.
@@ -346,8 +344,8 @@ def test_overload_gets_fast_503s_and_loses_nothing(cache_dir, model_path):
     assert ("GET /health", "200") in during, lines
 
 
-def test_fault_injection_fails_only_its_flights(cache_dir, model_path):
-    proc = ServerProcess("--fault-rate", "0.2", "--fibers", "2", "--invocation-timeout", "2", cache_dir=cache_dir)
+def test_fault_injection_fails_only_its_flights(start_server, model_path):
+    proc = start_server("--fault-rate", "0.2", "--fibers", "2", "--invocation-timeout", "2")
     proc.wait_ready()
     try:
         prompts = [f"Item {i}: the colour of the sky is" for i in range(40)]
@@ -395,8 +393,8 @@ def test_fault_injection_fails_only_its_flights(cache_dir, model_path):
         assert proc.stop() == 0
 
 
-def test_api_key(cache_dir, model_path):
-    proc = ServerProcess("--api-key", "s3cret", cache_dir=cache_dir).wait_ready()
+def test_api_key(start_server, model_path):
+    proc = start_server("--api-key", "s3cret").wait_ready()
     try:
         with proc.client() as c:
             assert c.get("/v1/models").status_code == 401

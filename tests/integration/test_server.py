@@ -12,20 +12,18 @@ import time
 import httpx
 import pytest
 
-from tests.integration.server_utils import ServerProcess
-
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def server(cache_dir, model_path):
-    proc = ServerProcess("--fibers", "2", "--tool-call-parser", "hermes", cache_dir=cache_dir).wait_ready()
+def server(start_server, model_path):
+    proc = start_server("--fibers", "2", "--tool-call-parser", "hermes").wait_ready()
     yield proc
     assert proc.stop() == 0
 
 
-def test_health_is_503_until_the_model_is_ready_and_sigterm_exits_cleanly(cache_dir, model_path):
-    proc = ServerProcess(cache_dir=cache_dir)
+def test_health_is_503_until_the_model_is_ready_and_sigterm_exits_cleanly(start_server, model_path):
+    proc = start_server()
     proc.wait_ready()
     assert proc.saw_503, "health never said 503 while loading"
     # a long streamed request in flight when SIGTERM arrives is finished (or aborted), then exit 0
@@ -58,11 +56,11 @@ def test_health_is_503_until_the_model_is_ready_and_sigterm_exits_cleanly(cache_
     assert last["meta_info"]["finish_reason"]["type"] in ("length", "abort")
 
 
-def test_a_model_that_fails_to_load_is_reported_not_crashed(tmp_path, cache_dir):
+def test_a_model_that_fails_to_load_is_reported_not_crashed(tmp_path, start_server):
     """A bad --model: the server stays up, /health says "failed" (503), and a request gets a 503 naming the flag."""
     bad = tmp_path / "not-a-model.gguf"
     bad.write_bytes(b"GGUF but not really")
-    proc = ServerProcess("--model", str(bad), cache_dir=cache_dir)
+    proc = start_server("--model", str(bad))
     try:
         health = None
         for _ in range(600):
@@ -81,10 +79,10 @@ def test_a_model_that_fails_to_load_is_reported_not_crashed(tmp_path, cache_dir)
         assert proc.stop() == 0
 
 
-def test_config_file_keys_are_the_flags_and_flags_win(tmp_path, cache_dir, model_path):
+def test_config_file_keys_are_the_flags_and_flags_win(tmp_path, start_server, model_path):
     config = tmp_path / "fiberserve.yaml"
     config.write_text("fibers: 3\nmax-batch-tokens: 128\nserved_model_name: from-file\n")
-    proc = ServerProcess("--config", str(config), "--served-model-name", "from-flag", cache_dir=cache_dir)
+    proc = start_server("--config", str(config), "--served-model-name", "from-flag")
     try:
         proc.wait_ready()
         info = proc.server_info()
