@@ -37,7 +37,7 @@ HELP = {
     "max_running": "most sequences running at once",
     "max_batch_tokens": "token budget of one flight (long prompts are prefilled in chunks of this)",
     "decode_steps": (
-        "decode steps a batch of plain decodes runs before it returns to the scheduler (each step's tokens "
+        "decode steps a batch of up to 4 plain decodes runs before it returns to the scheduler (each step's tokens "
         "still stream at once; a new request ends the run after the current step); 1 = off"
     ),
     "prefix_caching": "reuse KV pages of prompt prefixes already computed",

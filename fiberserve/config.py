@@ -43,7 +43,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_running: int = 64
     max_batch_tokens: int = 512
-    #: Decode steps a flight of plain decodes may run before it lands (vLLM's former ``--num-scheduler-steps``):
+    #: Decode steps a flight of up to 4 plain decodes may run before it lands (vLLM's former ``--num-scheduler-steps``):
     #: each step lands on the host while the next computes, and a new arrival halts the flight after its
     #: current step.  1: every step lands before the next boards.
     decode_steps: int = 8

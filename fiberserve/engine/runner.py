@@ -5,7 +5,7 @@ which of its tokens to compute now and the pages they live in.  While the
 flight is in the air the scheduler leaves those sequences alone (a sequence is
 in at most one flight), so the runner may read them without locks.
 
-A flight of plain decodes may run several steps (``Flight.steps``, vLLM's
+A flight of a few plain decodes may run several steps (``Flight.steps``, vLLM's
 former multi-step scheduling): the runner feeds each step the tokens the
 previous one sampled (``FlightItem.token``: the runner knows them before the
 sequence does) and hands every step but the last to ``Flight.on_step``, which

@@ -333,7 +333,7 @@ async def test_multi_step_flights_give_the_tokens_text_and_events_of_single_step
     cases = [
         (count, SamplingParams(max_new_tokens=40, temperature=0, stop=[" 12"])),  # a stop string mid-flight
         (chat[0], SamplingParams(max_new_tokens=200, temperature=0)),  # ends on EOS
-        (chat[1], SamplingParams(max_new_tokens=37, temperature=0.8, seed=3, n=2, logprobs=True, top_logprobs=2)),
+        (chat[1], SamplingParams(max_new_tokens=37, temperature=0.8, seed=3, logprobs=True, top_logprobs=2)),
         (chat[2], SamplingParams(max_new_tokens=29, temperature=0, ignore_eos=True, logit_bias={13: 2.0})),
     ]
     results = {}
