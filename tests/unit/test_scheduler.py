@@ -1,0 +1,105 @@
+"""The scheduler's multi-step flights (policy 4): when they fly, how far, and how their steps land (no model)."""
+
+from __future__ import annotations
+
+from fiberserve.engine.kvcache import PagePool
+from fiberserve.engine.runner import FlightResult
+from fiberserve.engine.sampling_params import SamplingParams
+from fiberserve.engine.scheduler import MULTI_STEP_MAX_SEQUENCES, Scheduler
+from fiberserve.engine.sequence import Sequence, Status
+from fiberserve.model.tokenizer import IncrementalDetokenizer
+
+EOS = 3
+GREEDY = SamplingParams(max_new_tokens=20, temperature=0)
+
+
+class CharTokenizer:
+    """Token id i is the character chr(i)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def sequence(params: SamplingParams = GREEDY, prompt: str = "hello") -> Sequence:
+    ids = [ord(c) for c in prompt]
+    return Sequence("r", 0, ids, params, IncrementalDetokenizer(CharTokenizer(), ids), frozenset({EOS}), 1000)
+
+
+def land(scheduler: Scheduler, flight, tokens: list[int]) -> None:
+    """Land ``flight`` as a runner that picked ``tokens`` (one per item) would."""
+    scheduler.on_flight_done(flight, FlightResult([(t, None) for t in tokens], [[] for _ in tokens], flight.items))
+
+
+def decoding(scheduler: Scheduler, *seqs: Sequence) -> None:
+    """Admit ``seqs`` and land their prefill, so that each has one output token and decodes next."""
+    for seq in seqs:
+        scheduler.add(seq)
+    prefill = scheduler.next_flight()
+    assert prefill.steps == 1
+    land(scheduler, prefill, [ord("!")] * len(seqs))
+
+
+def test_plain_decodes_fly_several_steps_bounded_by_the_remaining_tokens():
+    scheduler = Scheduler(PagePool(64, page_size=4), max_running=16, max_batch_tokens=64, decode_steps=8)
+    short, long = sequence(SamplingParams(max_new_tokens=4, temperature=0)), sequence()
+    decoding(scheduler, short, long)
+    flight = scheduler.next_flight()
+    assert flight.steps == 3  # short has 3 tokens left
+    assert scheduler.multi_step_flights == [flight]
+    for item in flight.items:  # pages reserved for every step
+        assert len(item.pages) * 4 >= item.start + flight.steps
+    scheduler.check_integrity()
+
+
+def test_no_multi_step_for_history_dependent_sampling_waiting_work_or_many_sequences():
+    for params in (
+        SamplingParams(max_new_tokens=20, temperature=0, repetition_penalty=1.2),
+        SamplingParams(max_new_tokens=20, temperature=0, min_new_tokens=5),
+    ):
+        scheduler = Scheduler(PagePool(64, page_size=4), max_running=16, max_batch_tokens=64, decode_steps=8)
+        decoding(scheduler, sequence(params))
+        assert scheduler.next_flight().steps == 1, params
+    many = Scheduler(PagePool(64, page_size=4), max_running=16, max_batch_tokens=64, decode_steps=8)
+    decoding(many, *(sequence() for _ in range(MULTI_STEP_MAX_SEQUENCES + 1)))
+    assert many.next_flight().steps == 1
+    # someone waits (here for a running slot): the flight lands after every step, so that a slot frees soon
+    crowded = Scheduler(PagePool(64, page_size=4), max_running=1, max_batch_tokens=64, decode_steps=8)
+    decoding(crowded, sequence())
+    crowded.add(sequence(prompt="next"))
+    flight = crowded.next_flight()
+    assert crowded.waiting and len(flight.items) == 1 and flight.steps == 1
+
+
+def test_steps_stop_where_the_free_pages_end_and_nobody_is_preempted():
+    pages = PagePool(5, page_size=4)
+    scheduler = Scheduler(pages, max_running=16, max_batch_tokens=64, decode_steps=8)
+    first, other = sequence(), sequence(prompt="other")
+    decoding(scheduler, first, other)  # 5 prompt tokens and 1 output each: 2 pages each, 1 page left
+    flight = scheduler.next_flight()
+    # 8 steps would need positions 5..12, 4 pages each; the 2 pages each holds cover positions up to 7
+    assert flight.steps == 3
+    assert pages.free_pages == 1  # not taken by a reservation that could not be met whole
+    assert other.status is Status.RUNNING and len(other.pages) == 2 and scheduler.preemptions == 0
+    scheduler.check_integrity()
+
+
+def test_steps_land_in_order_a_new_arrival_halts_the_flight_and_a_stop_waits_for_landing():
+    scheduler = Scheduler(PagePool(64, page_size=4), max_running=16, max_batch_tokens=64, decode_steps=8)
+    a, b = sequence(SamplingParams(max_new_tokens=20, temperature=0, stop=["xy"])), sequence()
+    decoding(scheduler, a, b)
+    flight = scheduler.next_flight()
+    items = flight.items
+    scheduler.on_step(flight, FlightResult([(ord("x"), None), (ord("p"), None)], [[], []], items))
+    items = [item.next_step(token) for item, token in zip(items, (ord("x"), ord("p")), strict=True)]
+    scheduler.on_step(flight, FlightResult([(ord("y"), None), (ord("q"), None)], [[], []], items))
+    assert a.finishing is not None and not a.finished and a.in_flight  # its pages may still be written
+    assert flight.ends_after(FlightResult([(ord("z"), None), (ord("r"), None)], [[], []], items))
+    assert not flight.halted
+    scheduler.add(sequence(prompt="new"))
+    assert flight.halted
+    items = [item.next_step(token) for item, token in zip(items, (ord("y"), ord("q")), strict=True)]
+    scheduler.on_flight_done(flight, FlightResult([(ord("z"), None), (ord("r"), None)], [[], []], items))
+    assert a.finished and a.text == "!" and a.output_ids == [ord(c) for c in "!xy"]
+    assert b.output_ids == [ord(c) for c in "!pqr"] and b.num_computed == b.num_tokens - 1
+    assert not scheduler.multi_step_flights and not b.in_flight  # a's token after its stop was dropped
+    scheduler.check_integrity()
