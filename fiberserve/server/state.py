@@ -139,33 +139,42 @@ class ServerState:
     async def merged_events(
         self, requests: list[Request], http: HttpRequest | None = None
     ) -> AsyncIterator[tuple[Sequence, SequenceEvent]]:
-        """Events of every sequence of ``requests`` as they happen; aborts the rest if the consumer stops."""
+        """Events of every sequence of ``requests`` as they happen; aborts the rest if the consumer stops.
+
+        The client's connection is checked every ``DISCONNECT_POLL_S`` (a tick in the queue), not at every
+        event: per token, a ``wait_for`` with a timeout and an ``is_disconnected()`` cost the loop ~0.2 ms, a
+        tenth of what a streamed token costs it."""
         seqs = [s for r in requests for s in r.seqs]
-        queue: asyncio.Queue[tuple[Sequence, SequenceEvent]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[Sequence, SequenceEvent] | None] = asyncio.Queue()
 
         async def pump(seq: Sequence) -> None:
             async for event in LlmService.events(seq):
                 queue.put_nowait((seq, event))
 
-        pumps = [asyncio.create_task(pump(s)) for s in seqs]
+        async def tick() -> None:
+            while True:
+                await asyncio.sleep(DISCONNECT_POLL_S)
+                queue.put_nowait(None)
+
+        tasks = [asyncio.create_task(pump(s)) for s in seqs]
+        if http is not None:
+            tasks.append(asyncio.create_task(tick()))
         remaining = len(seqs)
         try:
             while remaining:
-                try:
-                    seq, event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-                except TimeoutError:
-                    seq = event = None
-                # A vanished client is noticed here, not by the next write (which servers may drop silently).
-                if http is not None and await http.is_disconnected():
-                    return
-                if event is None:
+                item = await queue.get()
+                if item is None:
+                    # A vanished client is noticed here, not by the next write (which servers may drop silently).
+                    if await http.is_disconnected():
+                        return
                     continue
+                seq, event = item
                 remaining -= event.finished
                 yield seq, event
         finally:
             # No await in here: when the client vanished, Starlette cancels this generator through an anyio
             # cancel scope that cancels every later await too, and the cleanup must still happen.
-            for task in pumps:
+            for task in tasks:
                 task.cancel()
             self.done(requests)
             if http is not None:  # for the access log line
