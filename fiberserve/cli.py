@@ -40,6 +40,11 @@ HELP = {
         "decode steps a batch of up to 4 plain decodes runs before it returns to the scheduler (each step's tokens "
         "still stream at once; a new request ends the run after the current step); 1 = off"
     ),
+    "speculative_tokens": (
+        "draft tokens a greedy decode carries in a batch of up to 4 sequences (speculative decoding by prompt "
+        "lookup: the tokens that followed the last earlier occurrence of its last 2-3 tokens; checked in the same "
+        "pass, so the output is unchanged); 0 = off"
+    ),
     "prefix_caching": "reuse KV pages of prompt prefixes already computed",
     "max_queue": "most sequences waiting for admission; beyond it requests get 503 at once",
     "invocation_timeout": "seconds one model invocation may take before its flight fails and its fiber is replaced",

@@ -47,6 +47,10 @@ class EngineConfig:
     #: each step lands on the host while the next computes, and a new arrival halts the flight after its
     #: current step.  1: every step lands before the next boards.
     decode_steps: int = 8
+    #: Draft tokens by prompt lookup a greedy decode may carry in a flight of up to 4 sequences (speculative
+    #: decoding, vLLM's "ngram" method): checked in the same forward pass, kept up to the first the model would
+    #: not have picked, so the output is unchanged.  0: off.
+    speculative_tokens: int = 0
     prefix_caching: bool = True
     #: Requests waiting for admission beyond which new ones are refused (the server answers 503).
     max_queue: int = 512

@@ -15,6 +15,11 @@ goes from one step to the next without the round trip through the host
 first step the runner reads only what landing does not change (parameters,
 generator, stop tokens, the abort flag); the host appends the tokens meanwhile.
 
+A decode may also carry draft tokens (``FlightItem.draft``, speculative
+decoding; see ``drafting.py``): its chunk is the last token then the draft, every
+row picks, and the item keeps the picks up to the first draft token the model
+would not have picked (:meth:`FlightItem.accept`).
+
 :class:`ModelRunner` is the stateful thing a fiber's ``Program`` instance
 holds: the model (shared, read-only), the KV cache (shared; each flight
 touches only its own sequences' pages) and per-instance scratch.  It builds
@@ -44,6 +49,8 @@ class FlightItem:
     #: The input token of a later step of a multi-step flight (sampled by the step before; the sequence may not
     #: have it yet); None: read the tokens from the sequence.
     token: int | None = None
+    #: Draft tokens computed after the sequence's last token (the chunk's last ``len(draft)`` rows).
+    draft: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
@@ -51,7 +58,32 @@ class FlightItem:
         sequence only scores its prompt: ``max_tokens`` 0)."""
         if self.token is not None:
             return True
-        return self.start + self.length == self.seq.num_tokens and self.seq.max_tokens > 0
+        return self.start + self.length - len(self.draft) == self.seq.num_tokens and self.seq.max_tokens > 0
+
+    @property
+    def sample_rows(self) -> int:
+        """How many of the chunk's last rows pick a token: the last known token's, and each draft token's."""
+        return 1 + len(self.draft) if self.samples else 0
+
+    def accept(self, picks: list[tuple[int, TokenLogprob | None]]) -> list[tuple[int, TokenLogprob | None]]:
+        """The picks this item keeps, one per ``sample_rows``: the first row's, then each next row's while the
+        row before it picked the draft token that row was fed, and not after a stop token.  A row's pick is the
+        token the sequence decoding alone would get there only while every token before it is the sequence's
+        own (greedy drafting only; the kernels are batch invariant, so a row's logits do not depend on the
+        rows beside it)."""
+        kept = picks[:1]
+        for drafted, pick in zip(self.draft, picks[1:], strict=True):
+            if kept[-1][0] != drafted or drafted in self.seq.stop_ids:
+                break
+            kept.append(pick)
+        return kept
+
+    def computed_after(self, kept: int) -> int:
+        """The sequence's ``num_computed`` once this chunk lands having kept ``kept`` picks: a drafted chunk's
+        K/V are the sequence's own only up to the last draft token kept."""
+        if not self.draft:
+            return self.start + self.length
+        return self.start + max(1, kept)
 
     @property
     def decodes_freely(self) -> bool:
@@ -103,18 +135,19 @@ class Flight:
         if self.halted:
             return True
         return any(
-            item.seq.abort_requested or item.seq.finishing is not None or (sampled and sampled[0] in item.seq.stop_ids)
-            for item, sampled in zip(result.items, result.tokens, strict=True)
+            item.seq.abort_requested or item.seq.finishing is not None or (picks and picks[-1][0] in item.seq.stop_ids)
+            for item, picks in zip(result.items, result.tokens, strict=True)
         )
 
 
 @dataclass
 class FlightResult:
-    """One entry per item of ``items`` (the flight's items, or the items of the step it comes from): the sampled
-    token (or None for a partial prefill chunk), and the logprobs of the prompt tokens its chunk scored, in order
-    from the token after its first position (empty if none)."""
+    """One entry per item of ``items`` (the flight's items, or the items of the step it comes from): the picked
+    tokens in order (none for a partial prefill chunk, one for a decode, up to ``1 + len(draft)`` for a drafted
+    one; see :meth:`FlightItem.accept`), and the logprobs of the prompt tokens its chunk scored, in order from
+    the token after its first position (empty if none)."""
 
-    tokens: list[tuple[int, TokenLogprob | None] | None]
+    tokens: list[list[tuple[int, TokenLogprob | None]]]
     prompt_logprobs: list[list[TokenLogprob]]
     items: list[FlightItem] = field(default_factory=list)
 
@@ -133,20 +166,23 @@ class ModelRunner:
     def build_batch(self, items: list[FlightItem]) -> ForwardBatch:
         """The flight as one flat batch, built in Python lists (a few microseconds per item) and turned
         into tensors once: per-item tensor ops cost ~1 ms per step at 64 sequences.  Its logit rows are, item
-        by item, the rows scoring prompt tokens (``scored_prompt``), then the sampling row."""
+        by item, the rows scoring prompt tokens (``scored_prompt``), then the picking rows (``sample_rows``)."""
         page_size = self.page_size
         tokens, positions, write_slots, spans, logit_rows = [], [], [], [], []
         row = 0
         for item in items:
             end = item.start + item.length
-            tokens.extend(item.seq.token_slice(item.start, end) if item.token is None else (item.token,))
+            if item.token is not None:
+                tokens.append(item.token)
+            else:
+                tokens.extend(item.seq.token_slice(item.start, end - len(item.draft)))
+                tokens.extend(item.draft)
             positions.extend(range(item.start, end))
             write_slots.extend(item.pages[p // page_size] * page_size + p % page_size for p in range(item.start, end))
             spans.append(SequenceSpan(row, item.length, end, pages=item.pages))
             logit_rows.extend(row + p - item.start for p in item.scored_prompt)
             row += item.length
-            if item.samples:
-                logit_rows.append(row - 1)
+            logit_rows.extend(range(row - item.sample_rows, row))
         return ForwardBatch(
             tokens=torch.tensor(tokens, dtype=torch.long),
             positions=torch.tensor(positions, dtype=torch.long),
@@ -166,7 +202,7 @@ class ModelRunner:
             result = self.step(items, publish)
             if flight.ends_after(result):
                 return result
-            items = [item.next_step(sampled[0]) for item, sampled in zip(items, result.tokens, strict=True)]
+            items = [item.next_step(picks[0][0]) for item, picks in zip(items, result.tokens, strict=True)]
             publish = functools.partial(flight.on_step, result)
         return self.step(items, publish)
 
@@ -176,7 +212,7 @@ class ModelRunner:
         self.faults.maybe_fail()
         batch = self.build_batch(items)
         batch.before_layers = before_layers
-        sampling = [item.seq for item in items if item.samples]
+        sampling = [item.seq for item in items for _ in range(item.sample_rows)]
         scoring = any(item.scored_prompt for item in items)
         scored: list[list[TokenLogprob]] = [[] for _ in items]
         if not scoring and sampling and all(seq.params.argmax_only for seq in sampling):  # no logits written
@@ -186,7 +222,8 @@ class ModelRunner:
             if scoring:
                 logits = self._score_prompts(items, logits, scored)
             picked = iter(sample(logits, sampling) if sampling else [])
-        return FlightResult([next(picked) if item.samples else None for item in items], scored, items)
+        picks = [item.accept([next(picked) for _ in range(item.sample_rows)]) for item in items]
+        return FlightResult(picks, scored, items)
 
     @staticmethod
     def _score_prompts(items: list[FlightItem], logits: torch.Tensor, scored: list[list[TokenLogprob]]) -> torch.Tensor:
@@ -199,7 +236,6 @@ class ModelRunner:
                 top = item.seq.params.prompt_logprobs or 0
                 scored[i] = score_tokens(logits[row : row + len(positions)], targets, top)
                 row += len(positions)
-            if item.samples:
-                sampling_rows.append(row)
-                row += 1
+            sampling_rows.extend(range(row, row + item.sample_rows))
+            row += item.sample_rows
         return logits[sampling_rows]

@@ -21,6 +21,11 @@ Policy, in the order :meth:`Scheduler.next_flight` applies it:
    preempting).  Each step lands as it comes (:meth:`on_step`); a new
    arrival halts such flights after their current step, so admission waits
    at most one step.
+5. Before that, in a flight of at most ``SPECULATIVE_MAX_SEQUENCES``
+   decodes, each greedy one that ``decodes_freely`` carries up to
+   ``speculative_tokens`` draft tokens by prompt lookup (``drafting.py``),
+   bounded by its remaining tokens, the token budget and the pages free to
+   reserve now (never by preempting).  A flight with a draft runs one step.
 
 Every sequence ends in exactly one of stop, length, abort, error, and its
 pages are released in all four (:meth:`finish`).  A sequence in the air is
@@ -33,6 +38,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from fiberserve.engine.drafting import PromptLookup
 from fiberserve.engine.kvcache import PagePool
 from fiberserve.engine.runner import Flight, FlightItem, FlightResult
 from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent, Status, append_token
@@ -42,13 +48,28 @@ from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent, St
 #: 2 cores, one sequence gains the ~0.7 ms round trip of every step, while 16 streamed sequences lost 5-10%.
 MULTI_STEP_MAX_SEQUENCES = 4
 
+#: Drafts ride in flights of at most this many sequences.  A draft token costs a row of every product; with
+#: few rows the products are bound by reading the weights, so extra rows come almost free, while at larger
+#: batches they are compute-bound and a rejected draft is pure cost (vLLM's ``disable_by_batch_size``).
+SPECULATIVE_MAX_SEQUENCES = 4
+
 
 class Scheduler:
-    def __init__(self, pages: PagePool, max_running: int, max_batch_tokens: int, decode_steps: int = 1) -> None:
+    def __init__(
+        self,
+        pages: PagePool,
+        max_running: int,
+        max_batch_tokens: int,
+        decode_steps: int = 1,
+        speculative_tokens: int = 0,
+    ) -> None:
         self.pages = pages
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         self.decode_steps = decode_steps
+        self.speculative_tokens = speculative_tokens
+        self.draft_tokens = 0  #: draft tokens computed
+        self.accepted_tokens = 0  #: of them, kept
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.multi_step_flights: list[Flight] = []  #: in the air
@@ -93,7 +114,8 @@ class Scheduler:
             budget -= self._board(seq, budget, items, may_preempt=False)
         if not items:
             return None
-        flight = Flight(items, steps=self._decode_steps(items))
+        drafted = self._draft(items, budget)
+        flight = Flight(items, steps=1 if drafted else self._decode_steps(items))
         if flight.steps > 1:
             self.multi_step_flights.append(flight)
         return flight
@@ -111,6 +133,26 @@ class Scheduler:
         for item in items:
             item.pages = tuple(item.seq.pages)
         return max(1, steps)
+
+    def _draft(self, items: list[FlightItem], budget: int) -> bool:
+        """Give the flight's greedy decodes their drafts (policy 5); reserves their pages.  True if any got one."""
+        if not self.speculative_tokens or len(items) > SPECULATIVE_MAX_SEQUENCES:
+            return False
+        drafted = False
+        for item in items:
+            seq = item.seq
+            if budget <= 0 or not (item.decodes_freely and seq.params.greedy):
+                continue
+            room = min(self.speculative_tokens, budget, seq.max_tokens - len(seq.output_ids) - 1)
+            seq.drafter = seq.drafter or PromptLookup()
+            draft = seq.drafter.propose(seq, room)
+            if draft and not self._reserve(seq, item.start + 1 + len(draft), items, may_preempt=False):
+                draft = draft[: len(seq.pages) * self.pages.page_size - item.start - 1]  # what its pages cover
+            if draft:
+                item.draft, item.length, item.pages = tuple(draft), 1 + len(draft), tuple(seq.pages)
+                budget -= len(draft)
+                drafted = True
+        return drafted
 
     def _admit(self, seq: Sequence) -> bool:
         # A prompt being scored is computed whole: cached pages would skip the rows that score it.
@@ -189,24 +231,29 @@ class Scheduler:
         """What a landing step tells its sequences: computed tokens (pages filled go to the prefix cache),
         prompt logprobs, and the sampled tokens, streamed; a sequence that ends keeps its final event in
         ``finishing``, and the later steps of its flight are dropped."""
-        for item, sampled, scored in zip(result.items, result.tokens, result.prompt_logprobs, strict=True):
+        for item, picks, scored in zip(result.items, result.tokens, result.prompt_logprobs, strict=True):
             seq = item.seq
             if seq.finishing is not None or seq.finished:
                 continue
-            seq.num_computed = item.start + item.length
             if scored:  # a recompute after preemption scores the same positions again, to the same values
                 first = item.scored_prompt.start + 1
                 seq.prompt_logprobs[first : first + len(scored)] = scored
+            kept = 0
+            for pick in picks if not seq.abort_requested else ():
+                kept += 1
+                event = append_token(seq, *pick)
+                if event.finished:
+                    seq.finishing = event
+                    break
+                seq.events.put_nowait(event)
+            if item.draft:
+                self.draft_tokens += len(item.draft)
+                self.accepted_tokens += len(picks) - 1
+            seq.num_computed = item.computed_after(kept)
             if seq.num_computed // self.pages.page_size > seq.registered_pages:  # a page just filled up
                 seq.registered_pages = self.pages.register(
                     seq.pages, seq.tokens[: seq.num_computed], seq.registered_pages
                 )
-            if sampled is not None and not seq.abort_requested:
-                event = append_token(seq, *sampled)
-                if event.finished:
-                    seq.finishing = event
-                else:
-                    seq.events.put_nowait(event)
 
     def _land(self, flight: Flight) -> None:
         flight.landed = flight.halted = True  # halted: a worker still running a failed flight stops after this step

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fiberserve.engine.drafting import PromptLookup
 from fiberserve.engine.grammar import GrammarState
 from fiberserve.engine.sampling_params import SamplingParams
 from fiberserve.model.tokenizer import IncrementalDetokenizer
@@ -79,6 +80,7 @@ class Sequence:
         self.error: str | None = None
         self.logprobs: list[TokenLogprob] = []
         self.grammar: GrammarState | None = None  #: set by the engine where the request constrains the output
+        self.drafter: PromptLookup | None = None  #: set by the scheduler when it first drafts for this sequence
         #: Per prompt position, the logprob of that token given the ones before (None for the first), if asked.
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             None if params.prompt_logprobs is None else [None] * len(prompt_ids)

@@ -7,7 +7,9 @@ landing appends tokens, streams text and frees finished sequences' pages.
 Because boarding does not wait for the previous flight to land, up to
 ``fibers`` flights are in the air at once.  A flight of plain decodes may
 run several steps on its fiber, each landing on this loop as the next one
-computes (``decode_steps``; see the runner and the scheduler).
+computes (``decode_steps``; see the runner and the scheduler).  A small
+flight's greedy decodes may carry draft tokens, checked in the same pass
+(``speculative_tokens``; see ``drafting.py``).
 """
 
 from __future__ import annotations
@@ -160,7 +162,9 @@ class LlmService:
         num_pages = config.kv_pages or max(2, int(config.kv_cache_mb * 2**20) // page_bytes)
         self.kv_cache = KVCache(model.config, num_pages, config.page_size, model.dtype, model.device)
         self.pages = PagePool(num_pages, config.page_size, config.prefix_caching)
-        self.scheduler = Scheduler(self.pages, config.max_running, config.max_batch_tokens, config.decode_steps)
+        self.scheduler = Scheduler(
+            self.pages, config.max_running, config.max_batch_tokens, config.decode_steps, config.speculative_tokens
+        )
         self.faults = FaultInjector(config.fault_rate)
         threads = config.threads_per_fiber or max(1, (os.cpu_count() or 1) // config.fibers)
         self.program = Program(

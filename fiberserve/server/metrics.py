@@ -8,7 +8,7 @@ so they are never stale.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from fiberserve.engine.sequence import Sequence
 
@@ -79,6 +79,12 @@ class _EngineCollector:
             "fiberserve_prefix_cache_hit_rate",
             "Admissions that reused cached prefix pages",
             pages.hits / pages.queries if pages.queries else 0.0,
+        )
+        yield CounterMetricFamily(
+            "fiberserve_spec_decode_draft_tokens", "Draft tokens computed (speculative decoding)", sched.draft_tokens
+        )
+        yield CounterMetricFamily(
+            "fiberserve_spec_decode_accepted_tokens", "Draft tokens kept (speculative decoding)", sched.accepted_tokens
         )
         if service.pool is not None:
             s = service.pool.stats()

@@ -70,6 +70,11 @@ async def server_info(request: Request) -> dict:
         "max_running_requests": cfg.max_running,
         "max_batch_tokens": cfg.max_batch_tokens,
         "decode_steps": cfg.decode_steps,
+        "speculative_tokens": cfg.speculative_tokens,
+        "spec_decode": {
+            "draft_tokens": service.scheduler.draft_tokens,
+            "accepted_tokens": service.scheduler.accepted_tokens,
+        },
         "max_queue": cfg.max_queue,
         "context_length": service.max_context,
         "kv_pages": {

@@ -398,3 +398,47 @@ async def test_a_new_request_halts_a_multi_step_flight_after_its_current_step(en
         svc.check_integrity()
     finally:
         await svc.close()
+
+
+async def test_speculative_decoding_gives_the_tokens_text_logprobs_and_events_of_plain_decoding(engine, tokenizer):
+    """Drafts change how many tokens a pass yields, not which: greedy requests (a stop string, EOS, logprobs, a
+    repeating text) and a sampled one (never drafted) get exactly what they get without drafts, one streamed
+    event per token; a second run of the same prompts, from the pages the first registered, too."""
+    count = tokenizer.encode("Count: 1, 2, 3, 4, 5, 6, 7,")
+    chat = engine.chat_prompts(3)
+    cases = [
+        (count, SamplingParams(max_new_tokens=40, temperature=0, stop=[" 12"])),
+        (chat[0], SamplingParams(max_new_tokens=200, temperature=0)),
+        (chat[1], SamplingParams(max_new_tokens=37, temperature=0, logprobs=True, top_logprobs=2)),
+        (tokenizer.encode("the dog lazy " * 3), SamplingParams(max_new_tokens=60, temperature=0, ignore_eos=True)),
+        (chat[2], SamplingParams(max_new_tokens=29, temperature=0.8, seed=3)),
+    ]
+
+    def summary(out):
+        return [(c.token_ids, c.text, c.finish_reason, c.matched_stop, c.logprobs) for c in out.outputs]
+
+    results = {}
+    for k in (0, 4):
+        svc = engine.service(speculative_tokens=k, decode_steps=1)  # a flight is a forward pass
+        await svc.start()
+        try:
+            runs = []
+            for _ in range(2):
+                requests = [svc.submit(prompt, params) for prompt, params in cases]
+                events = [await _all_events(svc, r.seqs[0]) for r in requests]
+                runs.append(([summary(r.output()) for r in requests], events))
+            results[k] = runs, svc.flights_run, svc.scheduler.accepted_tokens
+            await asyncio.sleep(0)
+            assert svc.is_idle() and svc.pages.used_pages == 0
+            svc.check_integrity()
+        finally:
+            await svc.close()
+    (plain, plain_flights, _), (drafted, drafted_flights, accepted) = results[0], results[4]
+    assert plain[0] == plain[1] == drafted[0] == drafted[1]
+    outputs, events = drafted[0]
+    assert outputs[0][0][2:4] == ("stop", " 12") and outputs[1][0][3] == 2 and outputs[3][0][2] == "length"
+    assert len(outputs[2][0][4]) == len(outputs[2][0][0]) > 10  # a logprob per token
+    for seq_events, completion in zip(events, outputs, strict=True):
+        assert len(seq_events) == len(completion[0][0])
+        assert "".join(e.delta for e in seq_events) == completion[0][1]
+    assert accepted > 60 and drafted_flights < plain_flights - 60, (accepted, drafted_flights, plain_flights)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fiberserve.engine.kvcache import PagePool
 from fiberserve.engine.runner import FlightResult
 from fiberserve.engine.sampling_params import SamplingParams
-from fiberserve.engine.scheduler import MULTI_STEP_MAX_SEQUENCES, Scheduler
+from fiberserve.engine.scheduler import MULTI_STEP_MAX_SEQUENCES, SPECULATIVE_MAX_SEQUENCES, Scheduler
 from fiberserve.engine.sequence import Sequence, Status
 from fiberserve.model.tokenizer import IncrementalDetokenizer
 
@@ -25,9 +25,14 @@ def sequence(params: SamplingParams = GREEDY, prompt: str = "hello") -> Sequence
     return Sequence("r", 0, ids, params, IncrementalDetokenizer(CharTokenizer(), ids), frozenset({EOS}), 1000)
 
 
+def result(items, *tokens: int) -> FlightResult:
+    """What a runner that picked ``tokens`` (one per item) returns."""
+    return FlightResult([[(t, None)] for t in tokens], [[] for _ in tokens], items)
+
+
 def land(scheduler: Scheduler, flight, tokens: list[int]) -> None:
     """Land ``flight`` as a runner that picked ``tokens`` (one per item) would."""
-    scheduler.on_flight_done(flight, FlightResult([(t, None) for t in tokens], [[] for _ in tokens], flight.items))
+    scheduler.on_flight_done(flight, result(flight.items, *tokens))
 
 
 def decoding(scheduler: Scheduler, *seqs: Sequence) -> None:
@@ -89,17 +94,84 @@ def test_steps_land_in_order_a_new_arrival_halts_the_flight_and_a_stop_waits_for
     decoding(scheduler, a, b)
     flight = scheduler.next_flight()
     items = flight.items
-    scheduler.on_step(flight, FlightResult([(ord("x"), None), (ord("p"), None)], [[], []], items))
+    scheduler.on_step(flight, result(items, ord("x"), ord("p")))
     items = [item.next_step(token) for item, token in zip(items, (ord("x"), ord("p")), strict=True)]
-    scheduler.on_step(flight, FlightResult([(ord("y"), None), (ord("q"), None)], [[], []], items))
+    scheduler.on_step(flight, result(items, ord("y"), ord("q")))
     assert a.finishing is not None and not a.finished and a.in_flight  # its pages may still be written
-    assert flight.ends_after(FlightResult([(ord("z"), None), (ord("r"), None)], [[], []], items))
+    assert flight.ends_after(result(items, ord("z"), ord("r")))
     assert not flight.halted
     scheduler.add(sequence(prompt="new"))
     assert flight.halted
     items = [item.next_step(token) for item, token in zip(items, (ord("y"), ord("q")), strict=True)]
-    scheduler.on_flight_done(flight, FlightResult([(ord("z"), None), (ord("r"), None)], [[], []], items))
+    scheduler.on_flight_done(flight, result(items, ord("z"), ord("r")))
     assert a.finished and a.text == "!" and a.output_ids == [ord(c) for c in "!xy"]
     assert b.output_ids == [ord(c) for c in "!pqr"] and b.num_computed == b.num_tokens - 1
     assert not scheduler.multi_step_flights and not b.in_flight  # a's token after its stop was dropped
     scheduler.check_integrity()
+
+
+# ---------------------------------------------------------------- speculative decoding (policy 5)
+
+
+def drafting(prompt: str = "abcabc", params: SamplingParams = GREEDY, pages: int = 64, budget: int = 64, **kw):
+    """A scheduler drafting up to 4 tokens, and a sequence of ``prompt`` whose prefill landed with "a"."""
+    scheduler = Scheduler(PagePool(pages, page_size=4), 16, budget, decode_steps=8, speculative_tokens=4, **kw)
+    seq = sequence(params, prompt)
+    scheduler.add(seq)
+    land(scheduler, scheduler.next_flight(), [ord("a")])
+    return scheduler, seq
+
+
+def test_a_greedy_decode_carries_a_draft_and_keeps_what_the_model_agrees_with():
+    scheduler, seq = drafting()  # tokens "abcabca": the last 3 occurred at 1, then came "bca" (and it repeats)
+    flight = scheduler.next_flight()
+    [item] = flight.items
+    assert flight.steps == 1 and not scheduler.multi_step_flights
+    assert item.draft == tuple(map(ord, "bcab")) and (item.start, item.length) == (6, 5)
+    assert len(item.pages) * 4 >= item.start + item.length and item.sample_rows == 5
+    # the model picks b after a (= the draft's first), c after b (= its second), then x where the draft has a
+    kept = item.accept([(ord(c), None) for c in "bcxyz"])
+    assert [t for t, _ in kept] == [ord(c) for c in "bcx"]
+    scheduler.on_flight_done(flight, FlightResult([kept], [[]], flight.items))
+    assert seq.output_ids == [ord(c) for c in "abcx"] and seq.text == "abcx"
+    assert seq.num_computed == seq.num_tokens - 1  # the K/V of "x"'s row were computed from a rejected draft
+    assert (scheduler.draft_tokens, scheduler.accepted_tokens) == (4, 2)
+    scheduler.check_integrity()
+
+
+def test_nothing_is_kept_after_a_stop_token():
+    scheduler, seq = drafting()
+    flight = scheduler.next_flight()
+    [item] = flight.items
+    item.draft = (EOS, ord("q"))  # as if the sequence had drafted its stop token
+    kept = item.accept([(EOS, None), (ord("q"), None), (ord("r"), None)])
+    assert kept == [(EOS, None)]
+    scheduler.on_flight_done(flight, FlightResult([kept], [[]], flight.items))
+    assert seq.finished and seq.finish_reason.value == "stop" and seq.output_ids == [ord("a"), EOS]
+    scheduler.check_integrity()
+
+
+def test_drafts_are_bounded_by_the_tokens_left_the_budget_and_the_free_pages():
+    scheduler, _ = drafting(params=SamplingParams(max_new_tokens=3, temperature=0))
+    assert scheduler.next_flight().items[0].draft == (ord("b"),)  # 2 tokens left: the next one and one draft
+    scheduler, _ = drafting(prompt="abab", budget=4)  # "ababa": one row for "a", three left for "bab"
+    assert scheduler.next_flight().items[0].draft == tuple(map(ord, "bab"))
+    # 7 tokens in 2 pages of 4 and no page free: the draft gets the one free slot, and nobody is preempted
+    scheduler, seq = drafting(pages=2)
+    [item] = scheduler.next_flight().items
+    assert item.draft == (ord("b"),) and len(seq.pages) == 2 and scheduler.preemptions == 0
+
+
+def test_no_draft_for_sampling_penalties_big_flights_or_when_off():
+    for params in (
+        SamplingParams(max_new_tokens=20, temperature=0.8),
+        SamplingParams(max_new_tokens=20, temperature=0, repetition_penalty=1.2),
+    ):
+        scheduler, _ = drafting(params=params)
+        assert scheduler.next_flight().items[0].draft == (), params
+    scheduler = Scheduler(PagePool(64, page_size=4), 16, 64, decode_steps=8, speculative_tokens=4)
+    decoding(scheduler, *(sequence(prompt="ab!ab") for _ in range(SPECULATIVE_MAX_SEQUENCES + 1)))
+    assert all(not item.draft for item in scheduler.next_flight().items)
+    scheduler = Scheduler(PagePool(64, page_size=4), 16, 64, decode_steps=8, speculative_tokens=0)
+    decoding(scheduler, sequence(prompt="ab!ab"))
+    assert not scheduler.next_flight().items[0].draft

@@ -1,0 +1,65 @@
+"""Draft tokens for speculative decoding by prompt lookup (vLLM's and SGLang's "ngram" method).
+
+The draft is what followed the latest earlier occurrence of the sequence's
+last n tokens, longest n first.  Where that continuation runs into the end
+of the sequence (a pattern repeating with a short period), it goes on with
+the draft itself, so a repeating pattern is drafted as repeating.
+
+No model runs: drafting is a dictionary lookup per step.  The runner checks
+the draft in the same forward pass as the sequence's next token (one row per
+drafted token) and keeps the drafted tokens up to the first the model would
+not have picked, so the output is exactly what decoding one token at a time
+gives; see ``FlightItem.accept``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+#: Shortest and longest n-grams matched.  One-token matches draft too often on text that does not repeat
+#: (measured on SmolLM2 chat answers: 2.91 rows per step for 1.32 tokens with n >= 1, 1.61 for 1.24 with n >= 2).
+MIN_NGRAM, MAX_NGRAM = 2, 3
+
+
+class TokenSource(Protocol):
+    num_tokens: int
+
+    def token_slice(self, start: int, end: int) -> list[int]: ...
+
+
+class PromptLookup:
+    """One sequence's n-gram index; ``propose`` reads the tokens the sequence gained since the last call.
+
+    Contract: the sequence's tokens only grow (true of prompt and output tokens; drafts never enter them).
+    """
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        #: For each n, the n-grams seen, each mapped to the index just after its latest occurrence that has a
+        #: token after it.
+        self.continuation: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(MIN_NGRAM, MAX_NGRAM + 1)}
+
+    def _index(self, seq: TokenSource) -> None:
+        tokens = self.tokens
+        for token in seq.token_slice(len(tokens), seq.num_tokens):
+            end = len(tokens)
+            for n, table in self.continuation.items():
+                if end >= n:
+                    table[tuple(tokens[end - n : end])] = end
+            tokens.append(token)
+
+    def propose(self, seq: TokenSource, k: int) -> list[int]:
+        """Up to ``k`` tokens that may follow ``seq``'s tokens; empty when its last n tokens never occurred
+        before for any n in [MIN_NGRAM, MAX_NGRAM]."""
+        self._index(seq)
+        tokens, end = self.tokens, len(self.tokens)
+        for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
+            if k <= 0 or end <= n:
+                continue
+            start = self.continuation[n].get(tuple(tokens[end - n :]))
+            if start is not None:
+                draft: list[int] = []
+                for i in range(start, start + k):
+                    draft.append(tokens[i] if i < end else draft[i - end])
+                return draft
+        return []
