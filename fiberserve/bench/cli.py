@@ -159,6 +159,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
             ("fibers 2", ["--fibers", "2"]),
             ("fibers 4", ["--fibers", "4"]),
             ("float32", ["--dtype", "float32"]),
+            # speculative decoding is on by default; the workload's forced outputs repeat, which drafts well
+            ("no speculation", ["--speculative-tokens", "0"]),
+            ("int4, no speculation", ["--quantization", "int4", "--speculative-tokens", "0"]),
         ]:
             server = P.fiberserve_server(
                 args.port,

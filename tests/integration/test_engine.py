@@ -338,7 +338,7 @@ async def test_multi_step_flights_give_the_tokens_text_and_events_of_single_step
     ]
     results = {}
     for steps in (1, 8):
-        svc = engine.service(decode_steps=steps)
+        svc = engine.service(decode_steps=steps, speculative_tokens=0)  # drafted flights run one step
         await svc.start()
         try:
             requests = [svc.submit(prompt, params) for prompt, params in cases]
@@ -376,7 +376,7 @@ async def test_a_new_request_halts_a_multi_step_flight_after_its_current_step(en
     """Admission waits at most one step: with flights allowed 10000 steps, a short request sent while a long one
     decodes still finishes first.  An abort likewise ends the long one's flight; every page comes back."""
     long_prompt, short_prompt = engine.chat_prompts(2)
-    svc = engine.service(decode_steps=10_000)
+    svc = engine.service(decode_steps=10_000, speculative_tokens=0)
     await svc.start()
     try:
         long = svc.submit(long_prompt, SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True))
