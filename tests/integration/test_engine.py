@@ -325,6 +325,26 @@ async def _all_events(svc, seq) -> list:
     return [event async for event in svc.events(seq)]
 
 
+async def _serve_cases(engine, cases, rounds: int = 1, **config):
+    """Serve ``cases`` (prompt, params) ``rounds`` times on a fresh service built with ``config``.  Returns each
+    round's outputs and per-sequence events, the flights run and the scheduler, once the service is idle with
+    every page back and its invariants intact."""
+    svc = engine.service(**config)
+    await svc.start()
+    try:
+        runs = []
+        for _ in range(rounds):
+            requests = [svc.submit(prompt, params) for prompt, params in cases]
+            events = [[await _all_events(svc, seq) for seq in r.seqs] for r in requests]
+            runs.append(([r.output() for r in requests], events))
+        await asyncio.sleep(0)
+        assert svc.is_idle() and svc.pages.used_pages == 0
+        svc.check_integrity()
+        return runs, svc.flights_run, svc.scheduler
+    finally:
+        await svc.close()
+
+
 async def test_multi_step_flights_give_the_tokens_text_and_events_of_single_steps(engine, tokenizer):
     """``decode_steps`` changes how often flights land, not what they produce: the same tokens, text, finish
     reasons and logprobs as landing after every step, one streamed event per token, and fewer flights."""
@@ -336,21 +356,13 @@ async def test_multi_step_flights_give_the_tokens_text_and_events_of_single_step
         (chat[1], SamplingParams(max_new_tokens=37, temperature=0.8, seed=3, logprobs=True, top_logprobs=2)),
         (chat[2], SamplingParams(max_new_tokens=29, temperature=0, ignore_eos=True, logit_bias={13: 2.0})),
     ]
-    results = {}
-    for steps in (1, 8):
-        svc = engine.service(decode_steps=steps, speculative_tokens=0)  # drafted flights run one step
-        await svc.start()
-        try:
-            requests = [svc.submit(prompt, params) for prompt, params in cases]
-            events = [[await _all_events(svc, seq) for seq in r.seqs] for r in requests]
-            outputs = [r.output() for r in requests]
-            results[steps] = (outputs, events, svc.flights_run)
-            await asyncio.sleep(0)
-            assert svc.is_idle() and svc.pages.used_pages == 0
-            svc.check_integrity()
-        finally:
-            await svc.close()
-    (single, single_events, single_flights), (multi, multi_events, multi_flights) = results[1], results[8]
+    # (no drafts: a drafted flight runs one step)
+    ([(single, single_events)], single_flights, _) = await _serve_cases(
+        engine, cases, decode_steps=1, speculative_tokens=0
+    )
+    ([(multi, multi_events)], multi_flights, _) = await _serve_cases(
+        engine, cases, decode_steps=8, speculative_tokens=0
+    )
     for a, b in zip(single, multi, strict=True):
         for x, y in zip(a.outputs, b.outputs, strict=True):
             assert (x.token_ids, x.text, x.finish_reason, x.matched_stop) == (
@@ -417,25 +429,16 @@ async def test_speculative_decoding_gives_the_tokens_text_logprobs_and_events_of
     def summary(out):
         return [(c.token_ids, c.text, c.finish_reason, c.matched_stop, c.logprobs) for c in out.outputs]
 
-    results = {}
-    for k in (0, 4):
-        svc = engine.service(speculative_tokens=k, decode_steps=1)  # a flight is a forward pass
-        await svc.start()
-        try:
-            runs = []
-            for _ in range(2):
-                requests = [svc.submit(prompt, params) for prompt, params in cases]
-                events = [await _all_events(svc, r.seqs[0]) for r in requests]
-                runs.append(([summary(r.output()) for r in requests], events))
-            results[k] = runs, svc.flights_run, svc.scheduler.accepted_tokens
-            await asyncio.sleep(0)
-            assert svc.is_idle() and svc.pages.used_pages == 0
-            svc.check_integrity()
-        finally:
-            await svc.close()
-    (plain, plain_flights, _), (drafted, drafted_flights, accepted) = results[0], results[4]
+    # one step a flight: a flight is a forward pass
+    plain, plain_flights, _ = await _serve_cases(engine, cases, rounds=2, decode_steps=1, speculative_tokens=0)
+    drafted, drafted_flights, scheduler = await _serve_cases(
+        engine, cases, rounds=2, decode_steps=1, speculative_tokens=4
+    )
+    plain, drafted = [[([summary(o) for o in outs], ev) for outs, ev in runs] for runs in (plain, drafted)]
     assert plain[0] == plain[1] == drafted[0] == drafted[1]
+    accepted = scheduler.accepted_tokens
     outputs, events = drafted[0]
+    events = [seq_events for [seq_events] in events]
     assert outputs[0][0][2:4] == ("stop", " 12") and outputs[1][0][3] == 2 and outputs[3][0][2] == "length"
     assert len(outputs[2][0][4]) == len(outputs[2][0][0]) > 10  # a logprob per token
     for seq_events, completion in zip(events, outputs, strict=True):
