@@ -375,6 +375,34 @@ def test_openai_streams_carry_the_logprobs_of_their_tokens(server):
     server.assert_idle()
 
 
+def test_drafted_tokens_stream_one_by_one_and_are_counted(server):
+    """Speculative decoding is on by default: a repeating text drafts, and the reply streamed (several tokens
+    land per pass, each still its own chunk) equals the reply whole and the reply with n=2, where both
+    sequences share one flight and draft too; /get_server_info and /metrics count the drafts alike."""
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    before = server.server_info()["spec_decode"]
+    ask = {"model": client.models.list().data[0].id, "prompt": "the dog lazy " * 3, "max_tokens": 40}
+    whole = client.completions.create(temperature=0, **ask).choices[0].text
+    chunks = [c.choices[0].text for c in client.completions.create(temperature=0, stream=True, **ask) if c.choices]
+    pair = client.completions.create(temperature=0, n=2, **ask).choices
+    assert "".join(chunks) == whole == pair[0].text == pair[1].text and len(chunks) >= 30
+    after = server.server_info()["spec_decode"]
+    assert (
+        after["accepted_tokens"] - before["accepted_tokens"] > 60 and after["draft_tokens"] >= after["accepted_tokens"]
+    )
+    metrics = {
+        s.name: s.value
+        for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)
+        for s in family.samples
+    }
+    assert metrics["fiberserve_spec_decode_draft_tokens_total"] == after["draft_tokens"]
+    assert metrics["fiberserve_spec_decode_accepted_tokens_total"] == after["accepted_tokens"]
+    server.assert_idle()
+
+
 def test_constrained_decoding_json_schema_choice_and_regex(server):
     import openai
 
