@@ -21,11 +21,12 @@ Policy, in the order :meth:`Scheduler.next_flight` applies it:
    preempting).  Each step lands as it comes (:meth:`on_step`); a new
    arrival halts such flights after their current step, so admission waits
    at most one step.
-5. Before that, in a flight of at most ``SPECULATIVE_MAX_SEQUENCES``
-   decodes, each greedy one that ``decodes_freely`` carries up to
+5. In a flight of at most ``SPECULATIVE_MAX_SEQUENCES`` sequences, each
+   greedy decode that ``decodes_freely`` carries up to
    ``speculative_tokens`` draft tokens by prompt lookup (``drafting.py``),
    bounded by its remaining tokens, the token budget and the pages free to
-   reserve now (never by preempting).  A flight with a draft runs one step.
+   reserve now (never by preempting).  This is decided before policy 4: a
+   flight with a draft runs one step.
 
 Every sequence ends in exactly one of stop, length, abort, error, and its
 pages are released in all four (:meth:`finish`).  A sequence in the air is
