@@ -26,7 +26,8 @@ Policy, in the order :meth:`Scheduler.next_flight` applies it:
    ``speculative_tokens`` draft tokens by prompt lookup (``drafting.py``),
    bounded by its remaining tokens, the token budget and the pages free to
    reserve now (never by preempting).  This is decided before policy 4: a
-   flight with a draft runs one step.
+   flight with a draft runs one step, and a multi-step flight is halted once
+   one of its sequences has a draft.
 
 Every sequence ends in exactly one of stop, length, abort, error, and its
 pages are released in all four (:meth:`finish`).  A sequence in the air is
@@ -145,8 +146,7 @@ class Scheduler:
             if budget <= 0 or not (item.decodes_freely and seq.params.greedy):
                 continue
             room = min(self.speculative_tokens, budget, seq.max_tokens - len(seq.output_ids) - 1)
-            seq.drafter = seq.drafter or PromptLookup()
-            draft = seq.drafter.propose(seq, room)
+            draft = self._propose(seq, room)
             if draft and not self._reserve(seq, item.start + 1 + len(draft), items, may_preempt=False):
                 draft = draft[: len(seq.pages) * self.pages.page_size - item.start - 1]  # what its pages cover
             if draft:
@@ -154,6 +154,11 @@ class Scheduler:
                 budget -= len(draft)
                 drafted = True
         return drafted
+
+    def _propose(self, seq: Sequence, k: int) -> list[int]:
+        """``seq``'s draft of up to ``k`` tokens (its lookup index is made on first use; only this loop uses it)."""
+        seq.drafter = seq.drafter or PromptLookup()
+        return seq.drafter.propose(seq, k)
 
     def _admit(self, seq: Sequence) -> bool:
         # A prompt being scored is computed whole: cached pages would skip the rows that score it.
@@ -212,9 +217,18 @@ class Scheduler:
 
     def on_step(self, flight: Flight, result: FlightResult) -> None:
         """A step of a multi-step flight, handed over while the next one computes: its tokens are recorded and
-        streamed as at landing, but its sequences stay in the air (one that ends is finished at landing)."""
-        if not flight.landed:  # else the flight failed meanwhile (a timeout) and its sequences are finished
-            self._record(result)
+        streamed as at landing, but its sequences stay in the air (one that ends is finished at landing).
+
+        Where drafting is on and one of its greedy sequences now has a draft (its text started repeating), the
+        flight is halted after its current step, so that the next flight carries the draft (policy 5)."""
+        if flight.landed:  # the flight failed meanwhile (a timeout) and its sequences are finished
+            return
+        self._record(result)
+        if self.speculative_tokens > 0 and not flight.halted:
+            flight.halted = any(
+                item.seq.params.greedy and item.seq.finishing is None and self._propose(item.seq, 1)
+                for item in flight.items
+            )
 
     def on_flight_done(self, flight: Flight, result: FlightResult) -> None:
         self._record(result)

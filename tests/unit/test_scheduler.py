@@ -175,3 +175,23 @@ def test_no_draft_for_sampling_penalties_big_flights_or_when_off():
     scheduler = Scheduler(PagePool(64, page_size=4), 16, 64, decode_steps=8, speculative_tokens=0)
     decoding(scheduler, sequence(prompt="ab!ab"))
     assert not scheduler.next_flight().items[0].draft
+
+
+def test_a_multi_step_flight_halts_once_a_sequence_has_a_draft():
+    scheduler = Scheduler(PagePool(64, page_size=4), 16, 64, decode_steps=8, speculative_tokens=4)
+    seq = sequence(prompt="abcd")
+    decoding(scheduler, seq)  # "abcd!": nothing to draft, so the flight may run 8 steps
+    flight = scheduler.next_flight()
+    assert flight.steps == 8 and not flight.items[0].draft
+    items = flight.items
+    scheduler.on_step(flight, result(items, ord("x")))  # "abcd!x": still nothing repeats
+    assert not flight.halted
+    items = [items[0].next_step(ord("x"))]
+    scheduler.on_step(flight, result(items, ord("a")))
+    items = [items[0].next_step(ord("a"))]
+    scheduler.on_step(flight, result(items, ord("b")))  # "abcd!xab": "ab" came before, followed by "cd"
+    assert flight.halted
+    scheduler.on_flight_done(flight, result([items[0].next_step(ord("b"))], ord("c")))
+    follow = scheduler.next_flight()
+    assert follow.steps == 1 and follow.items[0].draft == tuple(map(ord, "d!xa"))
+    scheduler.check_integrity()
