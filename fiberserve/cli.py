@@ -41,9 +41,10 @@ HELP = {
         "still stream at once; a new request ends the run after the current step); 1 = off"
     ),
     "speculative_tokens": (
-        "draft tokens a greedy decode carries in a batch of up to 4 sequences (speculative decoding by prompt "
+        "the longest draft a greedy decode carries in a batch of up to 4 sequences (speculative decoding by prompt "
         "lookup: the tokens that followed the last earlier occurrence of its last 2-3 tokens; checked in the same "
-        "pass, so the output is unchanged); 0 = off"
+        "pass, so the output is unchanged; each sequence's drafts start at 2 tokens, double while kept and shrink "
+        "when rejected); 0 = off"
     ),
     "prefix_caching": "reuse KV pages of prompt prefixes already computed",
     "max_queue": "most sequences waiting for admission; beyond it requests get 503 at once",

@@ -47,14 +47,14 @@ class EngineConfig:
     #: each step lands on the host while the next computes, and a new arrival halts the flight after its
     #: current step.  1: every step lands before the next boards.
     decode_steps: int = 8
-    #: Draft tokens by prompt lookup a greedy decode may carry in a flight of up to 4 sequences (speculative
-    #: decoding, vLLM's "ngram" method): checked in the same forward pass, kept up to the first the model would
-    #: not have picked, so the output is what plain decoding gives (bit for bit where the kernels are batch
-    #: invariant: bf16 and int4 on CPU; elsewhere up to the near ties batching itself may flip).  0: off.
-    #: On by default, unlike vLLM and SGLang: on a CPU a few extra rows cost little next to reading the
-    #: weights, so a draft mostly wins (measured: 2x on repeating text at one sequence, +15-25% on chat answers
-    #: in bf16; about even at 4 sequences on AVX2).
-    speculative_tokens: int = 4
+    #: The longest draft by prompt lookup a greedy decode may carry in a flight of up to 4 sequences (speculative
+    #: decoding, vLLM's "ngram" method): checked in the same forward pass, kept up to the first token the model
+    #: would not have picked, so the output is what plain decoding gives (bit for bit where the kernels are batch
+    #: invariant: bf16 and int4 on CPU; elsewhere up to the near ties batching itself may flip).  Each sequence's
+    #: drafts start at 2 tokens, double while kept whole and shrink when rejected (``drafting.py``).  0: off.
+    #: On by default, unlike vLLM and SGLang: on a CPU a few extra rows cost little next to reading the weights,
+    #: so a draft mostly wins (measured: 2x on repeating text at one sequence, +15-25% on chat answers in bf16).
+    speculative_tokens: int = 8
     prefix_caching: bool = True
     #: Requests waiting for admission beyond which new ones are refused (the server answers 503).
     max_queue: int = 512

@@ -22,9 +22,10 @@ Policy, in the order :meth:`Scheduler.next_flight` applies it:
    arrival halts such flights after their current step, so admission waits
    at most one step.
 5. In a flight of at most ``SPECULATIVE_MAX_SEQUENCES`` sequences, each
-   greedy decode that ``decodes_freely`` carries up to
-   ``speculative_tokens`` draft tokens by prompt lookup (``drafting.py``),
-   bounded by its remaining tokens, the token budget and the pages free to
+   greedy decode that ``decodes_freely`` carries a draft by prompt lookup
+   (``drafting.py``) of up to ``speculative_tokens`` tokens: its own draft
+   length, which grows while its drafts are kept and shrinks when they are
+   not, bounded by its remaining tokens, the token budget and the pages free to
    reserve now (never by preempting).  This is decided before policy 4: a
    flight with a draft runs one step, and a multi-step flight is halted once
    one of its sequences has a draft.
@@ -157,7 +158,7 @@ class Scheduler:
 
     def _propose(self, seq: Sequence, k: int) -> list[int]:
         """``seq``'s draft of up to ``k`` tokens (its lookup index is made on first use; only this loop uses it)."""
-        seq.drafter = seq.drafter or PromptLookup()
+        seq.drafter = seq.drafter or PromptLookup(self.speculative_tokens)
         return seq.drafter.propose(seq, k)
 
     def _admit(self, seq: Sequence) -> bool:
@@ -264,6 +265,7 @@ class Scheduler:
             if item.draft:
                 self.draft_tokens += len(item.draft)
                 self.accepted_tokens += len(picks) - 1
+                seq.drafter.feedback(len(item.draft), len(picks) - 1)
             seq.num_computed = item.computed_after(kept)
             if seq.num_computed // self.pages.page_size > seq.registered_pages:  # a page just filled up
                 seq.registered_pages = self.pages.register(

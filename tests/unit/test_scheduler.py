@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fiberserve.engine.drafting import PromptLookup
 from fiberserve.engine.kvcache import PagePool
 from fiberserve.engine.runner import FlightResult
 from fiberserve.engine.sampling_params import SamplingParams
@@ -127,15 +128,34 @@ def test_a_greedy_decode_carries_a_draft_and_keeps_what_the_model_agrees_with():
     flight = scheduler.next_flight()
     [item] = flight.items
     assert flight.steps == 1 and not scheduler.multi_step_flights
-    assert item.draft == tuple(map(ord, "bcab")) and (item.start, item.length) == (6, 5)
-    assert len(item.pages) * 4 >= item.start + item.length and item.sample_rows == 5
-    # the model picks b after a (= the draft's first), c after b (= its second), then x where the draft has a
-    kept = item.accept([(ord(c), None) for c in "bcxyz"])
-    assert [t for t, _ in kept] == [ord(c) for c in "bcx"]
+    assert item.draft == tuple(map(ord, "bc")) and (item.start, item.length) == (6, 3)  # a first draft is short
+    assert len(item.pages) * 4 >= item.start + item.length and item.sample_rows == 3
+    # the model picks b after a (= the draft's first), then x where the draft has c
+    kept = item.accept([(ord(c), None) for c in "bxz"])
+    assert [t for t, _ in kept] == [ord(c) for c in "bx"]
     scheduler.on_flight_done(flight, FlightResult([kept], [[]], flight.items))
-    assert seq.output_ids == [ord(c) for c in "abcx"] and seq.text == "abcx"
+    assert seq.output_ids == [ord(c) for c in "abx"] and seq.text == "abx"
     assert seq.num_computed == seq.num_tokens - 1  # the K/V of "x"'s row were computed from a rejected draft
-    assert (scheduler.draft_tokens, scheduler.accepted_tokens) == (4, 2)
+    assert (scheduler.draft_tokens, scheduler.accepted_tokens) == (2, 1)
+    scheduler.check_integrity()
+
+
+def test_a_sequence_s_drafts_grow_while_kept_up_to_the_limit_and_shrink_when_rejected():
+    scheduler, seq = drafting(prompt="abcabcabcabc", params=SamplingParams(max_new_tokens=40, temperature=0))
+    after = {ord("a"): ord("b"), ord("b"): ord("c"), ord("c"): ord("a")}  # the model goes on repeating "abc"
+    lengths = []
+    for agree in (True, True, True, False):
+        flight = scheduler.next_flight()
+        [item] = flight.items
+        lengths.append(len(item.draft))
+        fed = [seq.tokens[-1], *item.draft]  # each row's input: the last token, then the draft
+        picks = [after[t] for t in fed] if agree else [after[fed[0]], ord("x"), *(after[t] for t in fed[2:])]
+        kept = item.accept([(t, None) for t in picks])
+        scheduler.on_flight_done(flight, FlightResult([kept], [[]], flight.items))
+        assert seq.output_ids[-len(kept) :] == [t for t, _ in kept]
+    assert lengths == [2, 4, 4, 4]  # doubled up to speculative_tokens=4
+    assert seq.drafter.length == 2  # then one draft token kept of 4: the next draft is 2 shorter
+    assert (scheduler.draft_tokens, scheduler.accepted_tokens) == (14, 2 + 4 + 4 + 1)
     scheduler.check_integrity()
 
 
@@ -154,7 +174,8 @@ def test_nothing_is_kept_after_a_stop_token():
 def test_drafts_are_bounded_by_the_tokens_left_the_budget_and_the_free_pages():
     scheduler, _ = drafting(params=SamplingParams(max_new_tokens=3, temperature=0))
     assert scheduler.next_flight().items[0].draft == (ord("b"),)  # 2 tokens left: the next one and one draft
-    scheduler, _ = drafting(prompt="abab", budget=4)  # "ababa": one row for "a", three left for "bab"
+    scheduler, seq = drafting(prompt="abab", budget=4)  # "ababa": one row for "a", three left for "bab"
+    seq.drafter = PromptLookup(limit=4, first=4)  # as if its drafts had been kept so far
     assert scheduler.next_flight().items[0].draft == tuple(map(ord, "bab"))
     # 7 tokens in 2 pages of 4 and no page free: the draft gets the one free slot, and nobody is preempted
     scheduler, seq = drafting(pages=2)
@@ -193,5 +214,5 @@ def test_a_multi_step_flight_halts_once_a_sequence_has_a_draft():
     assert flight.halted
     scheduler.on_flight_done(flight, result([items[0].next_step(ord("b"))], ord("c")))
     follow = scheduler.next_flight()
-    assert follow.steps == 1 and follow.items[0].draft == tuple(map(ord, "d!xa"))
+    assert follow.steps == 1 and follow.items[0].draft == tuple(map(ord, "d!"))
     scheduler.check_integrity()
