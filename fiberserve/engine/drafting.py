@@ -11,12 +11,12 @@ drafted token) and keeps the drafted tokens up to the first the model would
 not have picked, so the output is exactly what decoding one token at a time
 gives; see ``FlightItem.accept``.
 
-How long a draft is adapts to each sequence, as transformers' assisted
-generation does ("heuristic" schedule): a sequence starts with short drafts,
-each draft kept whole doubles the next one (up to the server's limit), and each
-draft the model rejects shortens the next by ``DRAFT_SHRINK``.  Text that
-repeats soon drafts at the limit, while text whose drafts keep failing drafts
-one token, so a batch carries few rows that are thrown away.
+Each lookup also learns how often its drafts come true (``acceptance``): at
+every proposal it checks the previous one against the tokens the sequence
+gained since, whether that draft was computed or not (a greedy sequence's
+tokens are the same either way).  So a sequence that drafts nothing, because
+its drafts did not look worth their rows, still learns when its text starts
+repeating.  The scheduler weighs that rate against what rows cost (policy 5).
 """
 
 from __future__ import annotations
@@ -27,12 +27,10 @@ from typing import Protocol
 #: (measured on SmolLM2 chat answers: 2.91 rows per step for 1.32 tokens with n >= 1, 1.61 for 1.24 with n >= 2).
 MIN_NGRAM, MAX_NGRAM = 2, 3
 
-#: A sequence's first draft length, and how much each rejected draft shortens the next.  Chosen by simulating
-#: the schedules on SmolLM2's own greedy outputs (12 benchmark prompts, 12 chat answers) with forward pass times
-#: measured per row on 2 AVX2 cores: starting at 2, doubling and shrinking by 2 gave, against a fixed 4, the same
-#: to +12% (int4 at 4 sequences on chat answers: 0.93x -> 1.04x of no drafting; bf16 at one sequence on the
-#: benchmark: 2.48x -> 2.42x-2.46x); fixed lengths either waste rows on chat or leave tokens on repeating text.
-FIRST_DRAFT_TOKENS, DRAFT_SHRINK = 2, 2
+#: The acceptance estimate starts at PRIOR_KEPT / PRIOR_CHECKED (one even guess), and every check scales the
+#: counts so far by ACCEPTANCE_DECAY first: the estimate follows about the last ten checks, as text starts or
+#: stops repeating.
+PRIOR_KEPT, PRIOR_CHECKED, ACCEPTANCE_DECAY = 1.0, 2.0, 0.9
 
 
 class TokenSource(Protocol):
@@ -42,20 +40,36 @@ class TokenSource(Protocol):
 
 
 class PromptLookup:
-    """One sequence's n-gram index and draft length; ``propose`` reads the tokens the sequence gained since the
-    last call, ``feedback`` adapts the length to how its drafts fared.
+    """One sequence's n-gram index and acceptance estimate; ``propose`` reads the tokens the sequence gained
+    since the last call.
 
     Contract: the sequence's tokens only grow (true of prompt and output tokens; drafts never enter them).
     """
 
-    def __init__(self, limit: int, first: int = FIRST_DRAFT_TOKENS) -> None:
-        """``limit``: the longest draft; ``first``: the first draft's length (at most ``limit``)."""
+    def __init__(self, limit: int) -> None:
+        """``limit``: the longest draft proposed (and checked for ``acceptance``)."""
         self.limit = limit
-        self.length = min(first, limit)  #: the next draft's length, before the caller's bound
         self.tokens: list[int] = []
         #: For each n, the n-grams seen, each mapped to the index just after its latest occurrence that has a
         #: token after it.
         self.continuation: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(MIN_NGRAM, MAX_NGRAM + 1)}
+        self.kept, self.checked = PRIOR_KEPT, PRIOR_CHECKED
+        self._last: tuple[int, list[int]] | None = None  #: where the latest proposal was made, and what it was
+
+    @property
+    def acceptance(self) -> float:
+        """The estimated chance that a draft token comes true once those before it did (in (0, 1))."""
+        return self.kept / self.checked
+
+    def propose(self, seq: TokenSource, k: int) -> list[int]:
+        """Up to ``k`` tokens that may follow ``seq``'s tokens; empty when its last n tokens never occurred
+        before for any n in [MIN_NGRAM, MAX_NGRAM]."""
+        self._index(seq)
+        end = len(self.tokens)
+        if self._last is None or self._last[0] != end:
+            self._check_last()
+            self._last = (end, self._lookup(self.limit))
+        return self._last[1][: max(0, k)]
 
     def _index(self, seq: TokenSource) -> None:
         tokens = self.tokens
@@ -66,11 +80,8 @@ class PromptLookup:
                     table[tuple(tokens[end - n : end])] = end
             tokens.append(token)
 
-    def propose(self, seq: TokenSource, k: int) -> list[int]:
-        """Up to ``min(k, self.length)`` tokens that may follow ``seq``'s tokens; empty when its last n tokens
-        never occurred before for any n in [MIN_NGRAM, MAX_NGRAM]."""
-        self._index(seq)
-        tokens, end, k = self.tokens, len(self.tokens), min(k, self.length)
+    def _lookup(self, k: int) -> list[int]:
+        tokens, end = self.tokens, len(self.tokens)
         for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
             if k <= 0 or end <= n:
                 continue
@@ -82,10 +93,18 @@ class PromptLookup:
                 return draft
         return []
 
-    def feedback(self, drafted: int, kept: int) -> None:
-        """A draft of ``drafted`` tokens was checked and its first ``kept`` were kept: all of them doubles the
-        next draft's length (up to ``limit``), fewer shortens it by ``DRAFT_SHRINK`` (to 1 at least)."""
-        if kept >= drafted:
-            self.length = min(self.limit, 2 * self.length)
-        else:
-            self.length = max(1, self.length - DRAFT_SHRINK)
+    def _check_last(self) -> None:
+        """Score the latest proposal against the tokens that came after it: each draft token up to the first
+        wrong one is a check that came true, the wrong one a check that did not; tokens not yet known say
+        nothing."""
+        if self._last is None:
+            return
+        where, draft = self._last
+        came = self.tokens[where : where + len(draft)]
+        kept = 0
+        while kept < len(came) and came[kept] == draft[kept]:
+            kept += 1
+        checked = kept + (kept < len(came))
+        if checked:
+            self.kept = ACCEPTANCE_DECAY * self.kept + kept
+            self.checked = ACCEPTANCE_DECAY * self.checked + checked

@@ -29,6 +29,7 @@ the flat batch, runs the forward pass and samples, all on the fiber's worker.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -150,6 +151,7 @@ class FlightResult:
     tokens: list[list[tuple[int, TokenLogprob | None]]]
     prompt_logprobs: list[list[TokenLogprob]]
     items: list[FlightItem] = field(default_factory=list)
+    seconds: float = 0.0  #: how long the step took on its worker (0: not measured)
 
 
 class ModelRunner:
@@ -210,6 +212,7 @@ class ModelRunner:
         """One forward pass over ``items`` (calling ``before_layers`` as its layers start), then the picks of
         the items that sample."""
         self.faults.maybe_fail()
+        started = time.perf_counter()
         batch = self.build_batch(items)
         batch.before_layers = before_layers
         sampling = [item.seq for item in items for _ in range(item.sample_rows)]
@@ -223,7 +226,7 @@ class ModelRunner:
                 logits = self._score_prompts(items, logits, scored)
             picked = iter(sample(logits, sampling) if sampling else [])
         picks = [item.accept([next(picked) for _ in range(item.sample_rows)]) for item in items]
-        return FlightResult(picks, scored, items)
+        return FlightResult(picks, scored, items, time.perf_counter() - started)
 
     @staticmethod
     def _score_prompts(items: list[FlightItem], logits: torch.Tensor, scored: list[list[TokenLogprob]]) -> torch.Tensor:

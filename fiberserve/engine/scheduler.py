@@ -22,13 +22,15 @@ Policy, in the order :meth:`Scheduler.next_flight` applies it:
    arrival halts such flights after their current step, so admission waits
    at most one step.
 5. In a flight of at most ``SPECULATIVE_MAX_SEQUENCES`` sequences, each
-   greedy decode that ``decodes_freely`` carries a draft by prompt lookup
-   (``drafting.py``) of up to ``speculative_tokens`` tokens: its own draft
-   length, which grows while its drafts are kept and shrinks when they are
-   not, bounded by its remaining tokens, the token budget and the pages free to
-   reserve now (never by preempting).  This is decided before policy 4: a
-   flight with a draft runs one step, and a multi-step flight is halted once
-   one of its sequences has a draft.
+   greedy decode that ``decodes_freely`` may carry a draft by prompt lookup
+   (``drafting.py``) of up to ``speculative_tokens`` tokens, bounded by its
+   remaining tokens, the token budget and the pages free to reserve now
+   (never by preempting).  Draft tokens are taken while they raise the
+   flight's expected tokens per second: each sequence's draft tokens come
+   true at the rate its earlier drafts did, and a pass's time by rows is
+   learnt from the passes run (``pass_times.py``).  This is decided before
+   policy 4: a flight with a draft runs one step, and a multi-step flight is
+   halted once the same rule would draft for its next step.
 
 Every sequence ends in exactly one of stop, length, abort, error, and its
 pages are released in all four (:meth:`finish`).  A sequence in the air is
@@ -38,11 +40,12 @@ never freed: an abort only flags it, and it is finished when its flight lands.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable
 
 from fiberserve.engine.drafting import PromptLookup
 from fiberserve.engine.kvcache import PagePool
+from fiberserve.engine.pass_times import PassTimes
 from fiberserve.engine.runner import Flight, FlightItem, FlightResult
 from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent, Status, append_token
 
@@ -73,6 +76,9 @@ class Scheduler:
         self.speculative_tokens = speculative_tokens
         self.draft_tokens = 0  #: draft tokens computed
         self.accepted_tokens = 0  #: of them, kept
+        #: What a forward pass costs by rows, per number of sequences in it (their attention differs), learnt
+        #: from the passes that landed.
+        self.pass_times: defaultdict[int, PassTimes] = defaultdict(PassTimes)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.multi_step_flights: list[Flight] = []  #: in the air
@@ -139,22 +145,47 @@ class Scheduler:
 
     def _draft(self, items: list[FlightItem], budget: int) -> bool:
         """Give the flight's greedy decodes their drafts (policy 5); reserves their pages.  True if any got one."""
-        if not self.speculative_tokens or len(items) > SPECULATIVE_MAX_SEQUENCES:
-            return False
-        drafted = False
-        for item in items:
+        drafts = self._drafts(items, budget)
+        for item, draft in zip(items, drafts, strict=True):
             seq = item.seq
-            if budget <= 0 or not (item.decodes_freely and seq.params.greedy):
-                continue
-            room = min(self.speculative_tokens, budget, seq.max_tokens - len(seq.output_ids) - 1)
-            draft = self._propose(seq, room)
             if draft and not self._reserve(seq, item.start + 1 + len(draft), items, may_preempt=False):
                 draft = draft[: len(seq.pages) * self.pages.page_size - item.start - 1]  # what its pages cover
             if draft:
                 item.draft, item.length, item.pages = tuple(draft), 1 + len(draft), tuple(seq.pages)
-                budget -= len(draft)
-                drafted = True
-        return drafted
+        return any(item.draft for item in items)
+
+    def _drafts(self, items: list[FlightItem], budget: int) -> list[list[int]]:
+        """Each item's draft, cut where one more draft token would lower the flight's expected tokens per second.
+
+        The i-th token of a draft is kept with chance ``acceptance ** i`` (``PromptLookup.acceptance``), and a pass
+        of r rows over these sequences takes ``pass_times[len(items)].estimate(r)``.  Draft tokens are taken
+        likeliest first while they fit the budget, and the flight keeps the count with the highest (sampled tokens
+        + expected kept) / time."""
+        if not self.speculative_tokens or len(items) > SPECULATIVE_MAX_SEQUENCES:
+            return [[] for _ in items]
+        proposals = []
+        for item in items:
+            seq = item.seq
+            eligible = item.decodes_freely and seq.params.greedy
+            room = min(self.speculative_tokens, seq.max_tokens - len(seq.output_ids) - 1)
+            proposals.append(self._propose(seq, room) if eligible else [])
+        candidates = sorted(
+            (-(item.seq.drafter.acceptance ** (i + 1)), i, index)
+            for index, (item, draft) in enumerate(zip(items, proposals, strict=True))
+            for i in range(len(draft))
+        )[: max(0, budget)]
+        rows, times = sum(item.length for item in items), self.pass_times[len(items)]
+        tokens = sum(1 for item in items if item.samples)
+        best_rate, best_count, expected = tokens / times.estimate(rows), 0, float(tokens)
+        for count, (minus_chance, _, _) in enumerate(candidates, start=1):
+            expected -= minus_chance
+            rate = expected / times.estimate(rows + count)
+            if rate > best_rate:
+                best_rate, best_count = rate, count
+        lengths = [0] * len(items)
+        for _, _, index in candidates[:best_count]:
+            lengths[index] += 1
+        return [draft[:length] for draft, length in zip(proposals, lengths, strict=True)]
 
     def _propose(self, seq: Sequence, k: int) -> list[int]:
         """``seq``'s draft of up to ``k`` tokens (its lookup index is made on first use; only this loop uses it)."""
@@ -226,10 +257,8 @@ class Scheduler:
             return
         self._record(result)
         if self.speculative_tokens > 0 and not flight.halted:
-            flight.halted = any(
-                item.seq.params.greedy and item.seq.finishing is None and self._propose(item.seq, 1)
-                for item in flight.items
-            )
+            following = [item.next_step(0) for item in flight.items if item.seq.finishing is None]
+            flight.halted = any(self._drafts(following, self.max_batch_tokens))
 
     def on_flight_done(self, flight: Flight, result: FlightResult) -> None:
         self._record(result)
@@ -247,6 +276,8 @@ class Scheduler:
         """What a landing step tells its sequences: computed tokens (pages filled go to the prefix cache),
         prompt logprobs, and the sampled tokens, streamed; a sequence that ends keeps its final event in
         ``finishing``, and the later steps of its flight are dropped."""
+        if result.seconds:
+            self.pass_times[len(result.items)].observe(sum(item.length for item in result.items), result.seconds)
         for item, picks, scored in zip(result.items, result.tokens, result.prompt_logprobs, strict=True):
             seq = item.seq
             if seq.finishing is not None or seq.finished:
@@ -265,7 +296,6 @@ class Scheduler:
             if item.draft:
                 self.draft_tokens += len(item.draft)
                 self.accepted_tokens += len(picks) - 1
-                seq.drafter.feedback(len(item.draft), len(picks) - 1)
             seq.num_computed = item.computed_after(kept)
             if seq.num_computed // self.pages.page_size > seq.registered_pages:  # a page just filled up
                 seq.registered_pages = self.pages.register(

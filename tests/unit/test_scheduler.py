@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from fiberserve.engine.drafting import PromptLookup
 from fiberserve.engine.kvcache import PagePool
 from fiberserve.engine.runner import FlightResult
 from fiberserve.engine.sampling_params import SamplingParams
@@ -128,34 +127,40 @@ def test_a_greedy_decode_carries_a_draft_and_keeps_what_the_model_agrees_with():
     flight = scheduler.next_flight()
     [item] = flight.items
     assert flight.steps == 1 and not scheduler.multi_step_flights
-    assert item.draft == tuple(map(ord, "bc")) and (item.start, item.length) == (6, 3)  # a first draft is short
-    assert len(item.pages) * 4 >= item.start + item.length and item.sample_rows == 3
-    # the model picks b after a (= the draft's first), then x where the draft has c
-    kept = item.accept([(ord(c), None) for c in "bxz"])
-    assert [t for t, _ in kept] == [ord(c) for c in "bx"]
+    assert item.draft == tuple(map(ord, "bcab")) and (item.start, item.length) == (6, 5)
+    assert len(item.pages) * 4 >= item.start + item.length and item.sample_rows == 5
+    # the model picks b after a (= the draft's first), c after b (= its second), then x where the draft has a
+    kept = item.accept([(ord(c), None) for c in "bcxyz"])
+    assert [t for t, _ in kept] == [ord(c) for c in "bcx"]
     scheduler.on_flight_done(flight, FlightResult([kept], [[]], flight.items))
-    assert seq.output_ids == [ord(c) for c in "abx"] and seq.text == "abx"
+    assert seq.output_ids == [ord(c) for c in "abcx"] and seq.text == "abcx"
     assert seq.num_computed == seq.num_tokens - 1  # the K/V of "x"'s row were computed from a rejected draft
-    assert (scheduler.draft_tokens, scheduler.accepted_tokens) == (2, 1)
+    assert (scheduler.draft_tokens, scheduler.accepted_tokens) == (4, 2)
     scheduler.check_integrity()
 
 
-def test_a_sequence_s_drafts_grow_while_kept_up_to_the_limit_and_shrink_when_rejected():
+def test_draft_tokens_are_taken_while_they_raise_the_expected_tokens_per_second():
     scheduler, seq = drafting(prompt="abcabcabcabc", params=SamplingParams(max_new_tokens=40, temperature=0))
-    after = {ord("a"): ord("b"), ord("b"): ord("c"), ord("c"): ord("a")}  # the model goes on repeating "abc"
-    lengths = []
-    for agree in (True, True, True, False):
-        flight = scheduler.next_flight()
-        [item] = flight.items
-        lengths.append(len(item.draft))
-        fed = [seq.tokens[-1], *item.draft]  # each row's input: the last token, then the draft
-        picks = [after[t] for t in fed] if agree else [after[fed[0]], ord("x"), *(after[t] for t in fed[2:])]
-        kept = item.accept([(t, None) for t in picks])
-        scheduler.on_flight_done(flight, FlightResult([kept], [[]], flight.items))
-        assert seq.output_ids[-len(kept) :] == [t for t, _ in kept]
-    assert lengths == [2, 4, 4, 4]  # doubled up to speculative_tokens=4
-    assert seq.drafter.length == 2  # then one draft token kept of 4: the next draft is 2 shorter
-    assert (scheduler.draft_tokens, scheduler.accepted_tokens) == (14, 2 + 4 + 4 + 1)
+    # a pass costs 10 ms, and 5 ms more per row: a draft token pays while its chance of being kept raises the
+    # flight's expected tokens per second
+    for rows in (1, 40):
+        scheduler.pass_times[1].observe(rows, 0.010 + 0.005 * rows)
+    flight = scheduler.next_flight()
+    assert seq.drafter.acceptance == 0.5  # nothing checked yet: an even guess
+    assert flight.items[0].draft == (ord("b"),)  # (1 + .5) / 20 ms beats 1 / 15 ms and (1 + .5 + .25) / 25 ms
+    land(scheduler, flight, [ord("b")])  # only the token the draft was checked against
+    # each flight checks the last proposal against what came: after a run of right guesses, drafts get longer
+    for token in "cabcabca":
+        land(scheduler, scheduler.next_flight(), [ord(token)])
+    assert seq.drafter.acceptance > 0.9
+    assert len(scheduler.next_flight().items[0].draft) == 4  # speculative_tokens
+    # the passes that land teach the scheduler their time: rows now look free up to 64 (flat beyond what it saw)
+    scheduler, seq = drafting(prompt="abcabcabcabc", params=SamplingParams(max_new_tokens=40, temperature=0))
+    scheduler.pass_times[1].observe(1, 0.015)
+    flight = scheduler.next_flight()
+    assert len(flight.items[0].draft) == 4
+    scheduler.on_flight_done(flight, FlightResult([[(ord("b"), None)]], [[]], flight.items, seconds=0.035))
+    assert scheduler.pass_times[1].estimate(5) == 0.035 and scheduler.pass_times[1].estimate(3) == 0.025
     scheduler.check_integrity()
 
 
@@ -174,8 +179,7 @@ def test_nothing_is_kept_after_a_stop_token():
 def test_drafts_are_bounded_by_the_tokens_left_the_budget_and_the_free_pages():
     scheduler, _ = drafting(params=SamplingParams(max_new_tokens=3, temperature=0))
     assert scheduler.next_flight().items[0].draft == (ord("b"),)  # 2 tokens left: the next one and one draft
-    scheduler, seq = drafting(prompt="abab", budget=4)  # "ababa": one row for "a", three left for "bab"
-    seq.drafter = PromptLookup(limit=4, first=4)  # as if its drafts had been kept so far
+    scheduler, _ = drafting(prompt="abab", budget=4)  # "ababa": one row for "a", three left for "bab"
     assert scheduler.next_flight().items[0].draft == tuple(map(ord, "bab"))
     # 7 tokens in 2 pages of 4 and no page free: the draft gets the one free slot, and nobody is preempted
     scheduler, seq = drafting(pages=2)
@@ -214,5 +218,5 @@ def test_a_multi_step_flight_halts_once_a_sequence_has_a_draft():
     assert flight.halted
     scheduler.on_flight_done(flight, result([items[0].next_step(ord("b"))], ord("c")))
     follow = scheduler.next_flight()
-    assert follow.steps == 1 and follow.items[0].draft == tuple(map(ord, "d!"))
+    assert follow.steps == 1 and follow.items[0].draft == tuple(map(ord, "d!xa"))
     scheduler.check_integrity()
