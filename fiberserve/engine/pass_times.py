@@ -15,7 +15,7 @@ import bisect
 #: Weight of a new measurement in a row count's moving average: the VM's speed drifts over minutes.
 PASS_TIME_WEIGHT = 0.2
 
-#: An estimate is a straight line through the moving averages of this many row counts nearest the one asked
+#: An estimate is a straight line through the moving averages of this many row counts seen around the one asked
 #: about: one row more or less differs by ~2 ms on 2 AVX2 cores while single averages stray by as much, so a
 #: lone neighbour would make a row look free, or dear, by chance.
 PASS_TIME_NEIGHBOURS = 4
@@ -23,7 +23,7 @@ PASS_TIME_NEIGHBOURS = 4
 
 class PassTimes:
     """Seconds per forward pass by row count: a moving average per row count seen, and between and beyond them
-    a line fitted through the nearest ones (its slope never negative).
+    a line fitted through the ones around (its slope never negative).
 
     Contract: :meth:`estimate` is positive, and at least the least of the averages it was fitted to; before two
     row counts are seen it is flat (1.0 before any pass): rows look free until measured, so drafting tries them
@@ -45,9 +45,10 @@ class PassTimes:
         known = self._rows
         if not known:
             return 1.0
-        i = bisect.bisect_left(known, rows)
-        lo, hi = max(0, i - PASS_TIME_NEIGHBOURS), min(len(known), i + PASS_TIME_NEIGHBOURS)
-        near = sorted(known[lo:hi], key=lambda r: (abs(r - rows), r))[:PASS_TIME_NEIGHBOURS]
+        first = max(
+            0, min(bisect.bisect_left(known, rows) - PASS_TIME_NEIGHBOURS // 2, len(known) - PASS_TIME_NEIGHBOURS)
+        )
+        near = known[first : first + PASS_TIME_NEIGHBOURS]  # the row counts seen around ``rows``
         times = [self.seconds[r] for r in near]
         mean_rows, mean_time = sum(near) / len(near), sum(times) / len(times)
         spread = sum((r - mean_rows) ** 2 for r in near)
