@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -26,6 +27,8 @@
 #if defined(__AVX512BF16__)
 #define FIBERSERVE_BF16_TILES 512
 #include <immintrin.h>
+
+#include "bf16_tile_amx.h"
 #elif defined(__AVX2__) && defined(__FMA__)
 #define FIBERSERVE_BF16_TILES 256
 #include "bf16_tile_avx2.h"
@@ -90,6 +93,40 @@ template <int MR, int NR, bool kGated, typename out_t>
                 silu_times((f32x16)stored(acc[r][c], out), (f32x16)stored(acc[r][c + NR / 2], out)));
 }
 
+#if defined(FIBERSERVE_AMX)
+// blocks_of on AMX tiles: rows [0, rows) of x, which holds whole tiles of amx::kRows rows (the product pads it),
+// against `count` blocks; only the first `rows` rows are written.
+template <bool kGated, typename out_t>
+void amx_blocks_of(const Row* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t K, int64_t count,
+                   const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch) {
+  const int64_t block_stride = K * kBlock;
+  alignas(64) float sums[amx::kRows * amx::kCols * kBlock];
+  for (int64_t first = 0; first < count; first += kCols) {
+    const int n = static_cast<int>(std::min<int64_t>(kCols, count - first));
+    const float* bg = bias ? bias + first * kBlock : nullptr;
+    out_t* o = out + (kGated ? first / 2 : first) * kBlock;
+    for (int64_t r = 0; r < rows; r += amx::kRows) {
+      amx::tile_sums(x + r * ldx, ldx, w + first * block_stride, K, block_stride, n, sums);
+      for (int64_t i = 0; i < std::min<int64_t>(amx::kRows, rows - r); ++i) {
+        __m512 acc[kCols];
+        for (int c = 0; c < n; ++c) {
+          acc[c] = _mm512_load_ps(sums + i * amx::kCols * kBlock + c * kBlock);
+          if (bg) acc[c] = _mm512_add_ps(acc[c], _mm512_loadu_ps(bg + c * kBlock));
+        }
+        out_t* row = o + (r + i) * ldo;
+        if constexpr (kGated) {
+          for (int c = 0; c < kCols / 2; ++c)
+            store16(row + c * kBlock, silu_times((f32x16)stored(acc[c], row), (f32x16)stored(acc[c + kCols / 2], row)));
+        } else {
+          for (int c = 0; c < n; ++c) store(row + c * kBlock, acc[c]);
+        }
+      }
+      prefetch.step();
+    }
+  }
+}
+#endif
+
 }  // namespace
 #endif
 
@@ -131,36 +168,67 @@ void blocks_of(const Row* x, int64_t rows, int64_t ldx, const uint16_t* w, int64
   }
 }
 
+// A product's row tiles: the vdpbf16ps (or AVX2) tiles above, kRows rows each, or AMX's (bf16_tile_amx.h), 16
+// rows each.  Scope: what a thread's share of a product holds while it runs (AMX: the tile configuration).
+struct VectorTiles {
+  static constexpr int64_t kHeight = kRows;
+  struct Scope {};
+  template <bool kGated, typename out_t>
+  static void blocks(const Row* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t K, int64_t count,
+                     const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch) {
+    blocks_of<kGated>(x, rows, ldx, w, K, count, bias, out, ldo, prefetch);
+  }
+};
+
+#if defined(FIBERSERVE_AMX)
+struct AmxTiles {
+  static constexpr int64_t kHeight = amx::kRows;
+  struct Scope {
+    Scope() { amx::amx_configure(); }
+    ~Scope() { amx::amx_release(); }
+  };
+  template <bool kGated, typename out_t>
+  static void blocks(const Row* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t K, int64_t count,
+                     const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch) {
+    amx_blocks_of<kGated>(x, rows, ldx, w, K, count, bias, out, ldo, prefetch);
+  }
+};
+#endif
+
 // The work is split evenly between the threads, so that no thread waits for another's extra column group (9
 // groups of 64 outputs for the 576-wide products, 15 for the 960-wide qkv: one thread had 5 groups to the
 // other's 4, 10% of those products lost at 64 rows).  One row tile: the column blocks are split (memory
 // bound, so a narrower group at the edge costs nothing).  More rows: the (column group, row tile) pairs, in
 // group order, are split, so a thread may take part of a group's row tiles.  A row's arithmetic does not depend
 // on its tile, so the split changes no bits.
-template <bool kGated, typename out_t>
+template <typename Tiles, bool kGated, typename out_t>
 void product(const Row* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t blocks, const float* bp,
              out_t* op, const PrefetchPlan* plan) {
+  constexpr int64_t H = Tiles::kHeight;
   const int64_t N = (kGated ? blocks / 2 : blocks) * kBlock, block_stride = K * kBlock;
-  const int64_t row_tiles = (M + kRows - 1) / kRows, groups = (blocks + kCols - 1) / kCols;
+  const int64_t row_tiles = (M + H - 1) / H, groups = (blocks + kCols - 1) / kCols;
   const int64_t unit = kGated ? kCols : 1;  // blocks per unit of the one-row-tile split (gated: whole groups)
   if (row_tiles == 1) {
     at::parallel_for(0, blocks / unit, 1, [&](int64_t begin, int64_t end) {
+      typename Tiles::Scope scope;
       PrefetchCursor none;  // one row tile: a decode step of a few sequences, whose keys are few
       begin *= unit, end *= unit;
-      blocks_of<kGated>(xp, M, K, wp + begin * block_stride, K, end - begin, bp ? bp + begin * kBlock : nullptr,
-                        op + (begin / (kGated ? 2 : 1)) * kBlock, N, none);
+      Tiles::template blocks<kGated>(xp, M, K, wp + begin * block_stride, K, end - begin,
+                                     bp ? bp + begin * kBlock : nullptr, op + (begin / (kGated ? 2 : 1)) * kBlock, N,
+                                     none);
     });
     return;
   }
   at::parallel_for(0, groups * row_tiles, 1, [&](int64_t begin, int64_t end) {
+    typename Tiles::Scope scope;
     PrefetchCursor prefetch = PrefetchCursor::thread_share(plan, end - begin);
     for (int64_t unit = begin; unit < end;) {
       const int64_t g = unit / row_tiles, tile0 = unit % row_tiles;
       const int64_t tile1 = std::min(row_tiles, tile0 + (end - unit));
-      const int64_t r0 = tile0 * kRows, r1 = std::min(M, tile1 * kRows), first = g * kCols;
-      blocks_of<kGated>(xp + r0 * K, r1 - r0, K, wp + first * block_stride, K, std::min<int64_t>(kCols, blocks - first),
-                        bp ? bp + first * kBlock : nullptr, op + r0 * N + (kGated ? first / 2 : first) * kBlock, N,
-                        prefetch);
+      const int64_t r0 = tile0 * H, r1 = std::min(M, tile1 * H), first = g * kCols;
+      Tiles::template blocks<kGated>(xp + r0 * K, r1 - r0, K, wp + first * block_stride, K,
+                                     std::min<int64_t>(kCols, blocks - first), bp ? bp + first * kBlock : nullptr,
+                                     op + r0 * N + (kGated ? first / 2 : first) * kBlock, N, prefetch);
       unit += tile1 - tile0;
     }
   });
@@ -170,12 +238,15 @@ void product(const Row* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t bl
 // the product (see quant_linear_top_k): the same (column group, row tile) units as product(), each computed into
 // a thread's scratch of [rows, 64] and offered to the rows' running lists.  For a row, one thread's units all
 // lie below the next thread's in column order, so merging the lists in thread order keeps ties in index order.
+template <typename Tiles>
 void product_top_k(const Row* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t blocks, int64_t k,
                    float* values, int64_t* indices) {
-  const int64_t block_stride = K * kBlock, row_tiles = (M + kRows - 1) / kRows, groups = (blocks + kCols - 1) / kCols;
+  constexpr int64_t H = Tiles::kHeight;
+  const int64_t block_stride = K * kBlock, row_tiles = (M + H - 1) / H, groups = (blocks + kCols - 1) / kCols;
   const int64_t threads = at::get_num_threads();
   std::vector<TopK> lists(static_cast<size_t>(threads * M), TopK(k));  // per thread, per row
   at::parallel_for(0, groups * row_tiles, 1, [&](int64_t begin, int64_t end) {
+    typename Tiles::Scope scope;
     TopK* mine = lists.data() + at::get_thread_num() * M;
     thread_local std::vector<float> scratch;
     if (scratch.size() < static_cast<size_t>(M * kCols * kBlock)) scratch.resize(static_cast<size_t>(M * kCols * kBlock));
@@ -183,10 +254,10 @@ void product_top_k(const Row* xp, int64_t M, int64_t K, const uint16_t* wp, int6
     for (int64_t unit = begin; unit < end;) {
       const int64_t g = unit / row_tiles, tile0 = unit % row_tiles;
       const int64_t tile1 = std::min(row_tiles, tile0 + (end - unit));
-      const int64_t r0 = tile0 * kRows, r1 = std::min(M, tile1 * kRows), first = g * kCols;
+      const int64_t r0 = tile0 * H, r1 = std::min(M, tile1 * H), first = g * kCols;
       const int64_t count = std::min<int64_t>(kCols, blocks - first);
-      blocks_of<false>(xp + r0 * K, r1 - r0, K, wp + first * block_stride, K, count, nullptr, scratch.data(),
-                       kCols * kBlock, none);
+      Tiles::template blocks<false>(xp + r0 * K, r1 - r0, K, wp + first * block_stride, K, count, nullptr,
+                                    scratch.data(), kCols * kBlock, none);
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t c = 0; c < count; ++c)
           mine[r].offer16(load16(scratch.data() + (r - r0) * kCols * kBlock + c * kBlock), (first + c) * kBlock);
@@ -196,9 +267,45 @@ void product_top_k(const Row* xp, int64_t M, int64_t K, const uint16_t* wp, int6
   merge_in_thread_order(lists, M, values, indices);
 }
 
+std::atomic<bool> amx_allowed{true};
+
+// Whether a product over K runs on AMX tiles: built with them, granted by the OS, allowed, and K in whole
+// tile steps (32).  The answer is the same for every row count, as batch invariance needs.
+bool runs_on_amx(int64_t K) {
+#if defined(FIBERSERVE_AMX)
+  return K % (2 * amx::kPairs) == 0 && amx_allowed.load() && amx::amx_ready();
+#else
+  (void)K;
+  return false;
+#endif
+}
+
+// x's rows for AMX tiles: zero rows added up to a whole tile.
+at::Tensor padded_rows(const at::Tensor& rows) {
+#if defined(FIBERSERVE_AMX)
+  const int64_t tail = rows.size(0) % amx::kRows;
+  if (tail) return at::cat({rows, rows.new_zeros({amx::kRows - tail, rows.size(1)})});
+#endif
+  return rows;
+}
+
+// f(Tiles{}) with the tiles a product over K runs on.
+template <typename F>
+void with_tiles(int64_t K, const F& f) {
+#if defined(FIBERSERVE_AMX)
+  if (runs_on_amx(K)) return f(AmxTiles{});
+#endif
+  f(VectorTiles{});
+}
+
 }  // namespace
 
 bool bf16_gemm_available() { return true; }
+
+bool bf16_amx(int64_t allow) {
+  if (allow >= 0) amx_allowed.store(allow != 0);
+  return runs_on_amx(32);
+}
 
 at::Tensor bf16_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "bf16_pack: weight must be bf16 [N, K]");
@@ -220,18 +327,22 @@ at::Tensor bf16_linear_prefetching(const at::Tensor& x, const at::Tensor& packed
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
   TORCH_CHECK(!gated || blocks % kCols == 0, "bf16_linear: gated needs output features in multiples of ",
               kCols * kBlock);
-  const at::Tensor rows = tile_rows(x);
+  const bool amx = runs_on_amx(K);
+  const at::Tensor rows = amx ? padded_rows(tile_rows(x)) : tile_rows(x);
   at::Tensor b = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   at::Tensor out = at::empty({M, (gated ? blocks / 2 : blocks) * kBlock}, x.options().dtype(out_dtype));
   const Row* xp = row_data(rows);
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
-  auto run = [&](auto* op) {
-    if (gated) product<true>(xp, M, K, wp, blocks, bp, op, plan);
-    else product<false>(xp, M, K, wp, blocks, bp, op, plan);
-  };
-  if (out_dtype == at::kFloat) run(out.data_ptr<float>());
-  else run(out.data_ptr<c10::BFloat16>());
+  with_tiles(K, [&](auto tiles) {
+    using Tiles = decltype(tiles);
+    auto run = [&](auto* op) {
+      if (gated) product<Tiles, true>(xp, M, K, wp, blocks, bp, op, plan);
+      else product<Tiles, false>(xp, M, K, wp, blocks, bp, op, plan);
+    };
+    if (out_dtype == at::kFloat) run(out.data_ptr<float>());
+    else run(out.data_ptr<c10::BFloat16>());
+  });
   return out;
 }
 
@@ -240,18 +351,21 @@ std::tuple<at::Tensor, at::Tensor> bf16_linear_top_k(const at::Tensor& x, const 
   TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x.size(1), "bf16_linear_top_k: weight not packed for this K");
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
   TORCH_CHECK(k >= 1 && k <= TopK::kMax && k <= blocks * kBlock, "bf16_linear_top_k: k must be in [1, min(64, N)]");
-  const at::Tensor rows = tile_rows(x);
+  const at::Tensor rows = runs_on_amx(K) ? padded_rows(tile_rows(x)) : tile_rows(x);
   at::Tensor values = at::empty({M, k}, x.options().dtype(at::kFloat));
   at::Tensor indices = at::empty({M, k}, x.options().dtype(at::kLong));
-  product_top_k(row_data(rows), M, K,
-                reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), blocks, k,
-                values.data_ptr<float>(), indices.data_ptr<int64_t>());
+  with_tiles(K, [&](auto tiles) {
+    product_top_k<decltype(tiles)>(row_data(rows), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+                                   blocks, k, values.data_ptr<float>(), indices.data_ptr<int64_t>());
+  });
   return {values, indices};
 }
 
 #else
 
 bool bf16_gemm_available() { return false; }
+
+bool bf16_amx(int64_t) { return false; }
 
 at::Tensor bf16_pack(const at::Tensor&) { TORCH_CHECK(false, "bf16_pack: built without AVX2 or AVX512-BF16"); }
 

@@ -25,6 +25,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 
 bool bf16_gemm_available();
 
+// Whether bf16_linear runs on AMX tiles (bf16_tile_amx.h) in this process; allow >= 0 first allows (1) or forbids
+// (0) them, for comparisons.  Forbidding changes the products' bits: switch before a model runs, not while.
+bool bf16_amx(int64_t allow);
+
 at::Tensor bf16_pack(const at::Tensor& weight);
 
 // gated: the weight's rows interleave gate and up outputs (groups of 64: 32 gate, then the matching 32 up); the
