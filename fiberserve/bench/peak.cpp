@@ -5,6 +5,7 @@
 //   fp32  vfmadd231ps zmm:  16 lanes x 1 multiply-add   =  32 FLOP per instruction (ymm on AVX2 CPUs: 16)
 //   bf16  vdpbf16ps   zmm:  16 lanes x 2 multiply-adds  =  64 FLOP
 //   int8  vpdpbusd    zmm:  16 lanes x 4 multiply-adds  = 128 integer ops
+//   amx_bf16  tdpbf16ps:  16 x 16 outputs x 32 multiply-adds = 16384 FLOP (AMX tiles; 6 accumulator tiles)
 //
 // And the rate llama.cpp's block arithmetic allows (Q4_1 weights x Q8_1 activations, as quant_gemm.cpp runs it):
 //
@@ -24,6 +25,11 @@
 
 #if defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -83,6 +89,53 @@ double q4_1_ops_per_second(int64_t iterations) {
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// tdpbf16ps into 6 accumulator tiles (enough to cover its latency), from one A and one B tile loaded once.  0 where
+// Linux does not grant the tile registers.  An instruction takes ~16 cycles, so iterations / 16 of them.
+double amx_bf16_flop_per_second(int64_t iterations) {
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  if (syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) != 0) return 0.0;
+  struct alignas(64) Config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+  };
+  static const Config config = [] {  // a constant: GCC's ldtilecfg reads memory the compiler may not have written
+    Config c{};
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) c.bytes_per_row[t] = 64, c.rows[t] = 16;
+    return c;
+  }();
+  alignas(64) static const uint16_t ones[16 * 32] = {};
+  _tile_loadconfig(&config);
+  _tile_loadd(6, ones, 64);
+  _tile_loadd(7, ones, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_zero(4);
+  _tile_zero(5);
+  const int64_t steps = iterations / 16;
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t n = 0; n < steps; ++n) {
+    _tile_dpbf16ps(0, 6, 7);
+    _tile_dpbf16ps(1, 6, 7);
+    _tile_dpbf16ps(2, 6, 7);
+    _tile_dpbf16ps(3, 6, 7);
+    _tile_dpbf16ps(4, 6, 7);
+    _tile_dpbf16ps(5, 6, 7);
+  }
+  alignas(64) float sink[16 * 16];
+  _tile_stored(0, sink, 64);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  _tile_release();
+  volatile float keep = sink[0];
+  (void)keep;
+  return steps * 6 * 16384.0 / seconds;
+}
+#endif
+
 double instruction_rate(const std::string& kind, int64_t iterations) {
 #if defined(__AVX512F__)
   if (kind == "fp32") {
@@ -109,10 +162,13 @@ double instruction_rate(const std::string& kind, int64_t iterations) {
   }
   if (kind == "q4_1") return q4_1_ops_per_second(iterations / 8);
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (kind == "amx_bf16") return amx_bf16_flop_per_second(iterations);
+#endif
   return 0.0;
 }
 
-// Operations per second of ``kind`` ("fp32", "bf16", "int8", "q4_1") with ``threads`` threads running at once.
+// Operations per second of ``kind`` ("fp32", "bf16", "int8", "q4_1", "amx_bf16") with ``threads`` threads running at once.
 double peak_ops_per_second(const std::string& kind, int64_t threads, int64_t iterations) {
   std::vector<double> rates(static_cast<size_t>(threads));
   std::vector<std::thread> pool;

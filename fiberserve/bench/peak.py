@@ -65,6 +65,7 @@ class Peaks:
     #: vpdpbusd's ops/s inside llama.cpp's Q4_1 x Q8_1 block arithmetic (each block of 32 inputs scaled in
     #: float): the most any exact Q4_1 product can reach here.
     q4_1: float
+    amx_bf16: float  # tdpbf16ps on AMX tiles (Intel Xeon from Sapphire Rapids on)
 
     def describe(self) -> str:
         def rate(ops: float, unit: str) -> str:
@@ -72,9 +73,11 @@ class Peaks:
 
         q4_1 = f"{self.q4_1 / 1e9:.0f} GOP/s ({self.q4_1 / self.int8:.0%} of int8)" if self.int8 else "-"
         return (
-            f"{self.threads} threads: bf16 {rate(self.bf16, 'GFLOP/s')} (vdpbf16ps), int8 {rate(self.int8, 'GOP/s')} "
-            f"(vpdpbusd), int8 in Q4_1 blocks {q4_1}, fp32 {rate(self.fp32, 'GFLOP/s')} (vfmadd231ps)"
+            f"{self.threads} threads: bf16 {rate(self.bf16, 'GFLOP/s')} (vdpbf16ps), bf16 on AMX tiles "
+            f"{rate(self.amx_bf16, 'GFLOP/s')} (tdpbf16ps), int8 {rate(self.int8, 'GOP/s')} (vpdpbusd), int8 in "
+            f"Q4_1 blocks {q4_1}, fp32 {rate(self.fp32, 'GFLOP/s')} (vfmadd231ps)"
         )
+
 
 
 def measure_peaks(threads: int | None = None, iterations: int = 50_000_000, build_dir: Path | None = None) -> Peaks:
@@ -84,7 +87,7 @@ def measure_peaks(threads: int | None = None, iterations: int = 50_000_000, buil
     library = _library(build_dir or default_cache_dir() / "build")
     rate = {
         kind: library.fiberserve_peak_ops_per_second(kind.encode(), threads, iterations)
-        for kind in ("fp32", "bf16", "int8", "q4_1")
+        for kind in ("fp32", "bf16", "int8", "q4_1", "amx_bf16")
     }
     return Peaks(threads=threads, **rate)
 

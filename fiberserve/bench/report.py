@@ -44,15 +44,16 @@ def _bound_section(series: dict[str, list[LoadResult]], peaks: Peaks, flops: Tok
         f"{flops.prompt / giga:.3f} GFLOP; attention and elementwise work not counted.",
         "",
         f"Decode-only bound at the measured bf16 peak: {_bound(peaks.bf16, flops)} "
-        f"(issue 7 quotes ~{NOMINAL_BOUND:.0f}, from 550-800 GFLOP/s); at the int8 peak: "
+        f"(issue 7 quotes ~{NOMINAL_BOUND:.0f}, from 550-800 GFLOP/s); at the AMX bf16 peak: "
+        f"{_bound(peaks.amx_bf16, flops)}; at the int8 peak: "
         f"{_bound(peaks.int8, flops)}; at the int8 rate inside Q4_1 blocks (the int4 row's arithmetic): "
         f"{_bound(peaks.q4_1, flops)}.  Rows below: the output tokens/s, that as a share of "
         f"{NOMINAL_BOUND:.0f}, and the linear-layer rate the run sustained (generated and prompt tokens) as a "
         "share of each peak.",
         "",
-        "| server | C | out tok/s | prompt tok / out tok | of 2000 | linear GOP/s | of bf16 peak | of int8 peak "
-        "| of Q4_1 rate |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| server | C | out tok/s | prompt tok / out tok | of 2000 | linear GOP/s | of bf16 peak | of AMX bf16 peak "
+        "| of int8 peak | of Q4_1 rate |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, results in series.items():
         if not name.startswith("fiberserve"):
@@ -62,7 +63,8 @@ def _bound_section(series: dict[str, list[LoadResult]], peaks: Peaks, flops: Tok
             lines.append(
                 f"| {name} | {r.spec['concurrency']} | {r.output_tokens_per_s:.1f} | "
                 f"{r.prompt_tokens / max(r.output_tokens, 1):.2f} | {r.output_tokens_per_s / NOMINAL_BOUND:.0%} | "
-                f"{rate / giga:.0f} | {_share(rate, peaks.bf16)} | {_share(rate, peaks.int8)} | "
+                f"{rate / giga:.0f} | {_share(rate, peaks.bf16)} | {_share(rate, peaks.amx_bf16)} | "
+                f"{_share(rate, peaks.int8)} | "
                 f"{_share(rate, peaks.q4_1)} |"
             )
     return [*lines, ""]

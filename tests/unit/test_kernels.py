@@ -196,6 +196,48 @@ def test_bf16_linear_matches_float32_and_rows_are_exact_at_any_count():
     assert (wide != out.float()).any()
 
 
+@pytest.mark.skipif(not kernels.bf16_gemm_available(), reason="this CPU has neither AVX512-BF16 nor AVX2")
+def test_bf16_linear_runs_on_amx_tiles_exactly_where_the_cpu_has_them():
+    assert kernels.bf16_amx() == ("amx_bf16" in CPU_FLAGS and "avx512_bf16" in CPU_FLAGS)
+
+
+@pytest.mark.skipif(not kernels.bf16_amx(), reason="this CPU has no AMX tiles")
+def test_bf16_linear_on_amx_tiles_keeps_every_row_exact_at_any_count():
+    """Tiles of 16 rows, the last padded: 1 to 40 rows (one tile, several, split between threads by blocks or by
+    (group, row tile)), plain, with bias, gated and top-k, give a row the same bits.  Forbidding AMX falls back
+    to the vdpbf16ps tiles: the same products, other roundings."""
+    torch.manual_seed(13)
+    weight, bias = torch.randn(144, 576).bfloat16(), torch.randn(144)
+    packed = kernels.bf16_pack(weight)
+    x = torch.randn(40, 576).bfloat16()
+    gated, _ = gated_and_plain("bf16", torch.randn(64, 576) * 0.2, torch.randn(64, 576) * 0.2, torch.randn(128))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        wide, out, gate_up = (
+            kernels.bf16_linear(x, packed, bias, torch.float32),
+            kernels.bf16_linear(x, packed, bias),
+            gated(x, torch.bfloat16),
+        )
+        top_values, top_indices = kernels.bf16_linear_top_k(x, packed, 8)
+        torch.testing.assert_close(wide, x.float() @ weight.float().t() + bias, atol=1e-3, rtol=1e-4)
+        for rows in [1, 2, 5, 15, 16, 17, 31, 33]:
+            assert torch.equal(kernels.bf16_linear(x[:rows], packed, bias), out[:rows]), rows
+            assert torch.equal(gated(x[:rows], torch.bfloat16), gate_up[:rows]), rows
+        assert torch.equal(kernels.bf16_linear(x[21:22], packed, bias, torch.float32)[0], wide[21])
+        no_bias = kernels.bf16_linear(x[:17], packed, None, torch.float32)
+        assert torch.equal(kernels.top_k_rows(no_bias, 8)[0], top_values[:17])
+        assert torch.equal(kernels.bf16_linear_top_k(x[:17], packed, 8)[1], top_indices[:17])
+        assert not kernels.bf16_amx(False)
+        vector = kernels.bf16_linear(x, packed, bias, torch.float32)
+        torch.testing.assert_close(vector, wide, atol=1e-3, rtol=1e-4)
+        assert not torch.equal(vector, wide)  # tdpbf16ps rounds its sums otherwise than vdpbf16ps: other bits
+    finally:
+        kernels.bf16_amx(True)
+        torch.set_num_threads(threads)
+    assert torch.equal(kernels.bf16_linear(x, packed, bias, torch.float32), wide)
+
+
 def test_quant_linear_is_built_where_the_cpu_has_avx512_vnni_or_avx2():
     assert kernels.quant_gemm_available() == ("avx512_vnni" in CPU_FLAGS or {"avx2", "f16c"} <= CPU_FLAGS)
 

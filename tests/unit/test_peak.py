@@ -40,6 +40,7 @@ def test_peaks_exist_exactly_where_the_cpu_has_the_instructions(tmp_path):
     assert (peaks.fp32 > 0) == ("avx512f" in flags or "fma" in flags)
     assert (peaks.bf16 > 0) == ("avx512_bf16" in flags)
     assert (peaks.int8 > 0) == ("avx512_vnni" in flags) == (peaks.q4_1 > 0)
+    assert (peaks.amx_bf16 > 0) == ("amx_bf16" in flags)  # Linux grants the tiles wherever the CPU has them
     assert [p.name for p in tmp_path.iterdir()] == [next(tmp_path.glob("fiberserve_peak_*.so")).name]  # built once
 
 
@@ -63,14 +64,16 @@ def test_bench_peak_command_prints_the_peaks_and_bounds(model_path, cache_dir, c
     out = capsys.readouterr().out
     assert "GFLOP per generated token 0.269, per prompt token 0.212" in out
     assert "decode-only bound at the bf16 peak" in out and "vdpbf16ps" in out
+    assert "decode-only bound at the amx_bf16 peak" in out and "tdpbf16ps" in out
     assert "decode-only bound at the q4_1 peak" in out and "int8 in Q4_1 blocks" in out
 
 
 def test_a_peak_the_cpu_lacks_is_said_so_not_zero():
-    lacking = Peaks(threads=2, fp32=203e9, bf16=0, int8=0, q4_1=0).describe()
+    lacking = Peaks(threads=2, fp32=203e9, bf16=0, int8=0, q4_1=0, amx_bf16=0).describe()
     assert lacking == (
-        "2 threads: bf16 - (the CPU lacks it) (vdpbf16ps), int8 - (the CPU lacks it) (vpdpbusd), "
-        "int8 in Q4_1 blocks -, fp32 203 GFLOP/s (vfmadd231ps)"
+        "2 threads: bf16 - (the CPU lacks it) (vdpbf16ps), bf16 on AMX tiles - (the CPU lacks it) (tdpbf16ps), "
+        "int8 - (the CPU lacks it) (vpdpbusd), int8 in Q4_1 blocks -, fp32 203 GFLOP/s (vfmadd231ps)"
     )
-    full = Peaks(threads=2, fp32=229e9, bf16=466e9, int8=934e9, q4_1=678e9).describe()
-    assert "bf16 466 GFLOP/s (vdpbf16ps), int8 934 GOP/s (vpdpbusd), int8 in Q4_1 blocks 678 GOP/s (73% of" in full
+    full = Peaks(threads=2, fp32=229e9, bf16=466e9, int8=934e9, q4_1=678e9, amx_bf16=4100e9).describe()
+    assert "bf16 466 GFLOP/s (vdpbf16ps), bf16 on AMX tiles 4100 GFLOP/s (tdpbf16ps), int8 934 GOP/s" in full
+    assert "int8 in Q4_1 blocks 678 GOP/s (73% of" in full

@@ -35,8 +35,9 @@ def test_report_ratios_and_compute_bound_shares(tmp_path):
         "vLLM": [result(1, 50.0), result(64, 800.0)],
     }
     servers = [PeerServer("fiberserve", [], 1, version="v1"), PeerServer("vLLM", [], 2, version="v2")]
-    # 1e9 FLOP per generated token, 0.5e9 per prompt token; peaks 1e12 (bf16), 2e12 (int8), 1.25e12 (Q4_1)
-    peaks = Peaks(threads=2, fp32=5e11, bf16=1e12, int8=2e12, q4_1=1.25e12)
+    # 1e9 FLOP per generated token, 0.5e9 per prompt token; peaks 1e12 (bf16), 4e12 (AMX bf16), 2e12 (int8),
+    # 1.25e12 (Q4_1)
+    peaks = Peaks(threads=2, fp32=5e11, bf16=1e12, int8=2e12, q4_1=1.25e12, amx_bf16=4e12)
     flops = TokenFlops(decoder=0.5e9, head=0.5e9)
     notes = tmp_path / "notes.md"
     notes.write_text("## Analysis\n")
@@ -46,15 +47,16 @@ def test_report_ratios_and_compute_bound_shares(tmp_path):
     assert "| fiberserve | 100.0 | 1000.0 |" in text and "| ratio fiberserve / vLLM | 2.00x | 1.25x |" in text
     assert "Servers: fiberserve (v1); vLLM (v2)." in text and "Not measured (not installed): llama-server." in text
     assert "Decode-only bound at the measured bf16 peak: 1000 tokens/s" in text
-    # C=64: 1000 tok/s is 50% of 2000; (10000 x 1e9 + 5000 x 0.5e9) / 10 s = 1250 GOP/s: 125% / 62% / 100%
-    assert "| fiberserve | 64 | 1000.0 | 0.50 | 50% | 1250 | 125% | 62% | 100% |" in text
+    assert "at the AMX bf16 peak: 4000 tokens/s" in text
+    # C=64: 1000 tok/s is 50% of 2000; (10000 x 1e9 + 5000 x 0.5e9) / 10 s = 1250 GOP/s: 125% / 31% / 62% / 100%
+    assert "| fiberserve | 64 | 1000.0 | 0.50 | 50% | 1250 | 125% | 31% | 62% | 100% |" in text
     assert "int8 in Q4_1 blocks 1250 GOP/s (62% of int8)" in text
     assert "| vLLM | 64 |" not in text  # shares only for our own rows
     assert text.endswith("## Analysis\n")
     # a CPU without AVX512-BF16 / VNNI measures no such peak: "-" rather than a division by zero
-    no_dot = Peaks(threads=2, fp32=5e11, bf16=0.0, int8=0.0, q4_1=0.0)
+    no_dot = Peaks(threads=2, fp32=5e11, bf16=0.0, int8=0.0, q4_1=0.0, amx_bf16=0.0)
     text = render("c", [1, 64], series, {}, {}, servers, [], no_dot, flops, str(tmp_path / "absent.md"))
-    assert "| fiberserve | 64 | 1000.0 | 0.50 | 50% | 1250 | - | - | - |" in text
+    assert "| fiberserve | 64 | 1000.0 | 0.50 | 50% | 1250 | - | - | - | - |" in text
     assert "bf16 peak: none (the CPU lacks the instruction) (issue 7" in text
     assert "![throughput and latency](bench-results/benchmarks.png)" in text  # the default output's plot
     moved = render("c", [1], series, {}, {}, servers, [], no_dot, flops, "absent.md", plot="../out/benchmarks.png")
@@ -68,7 +70,7 @@ def test_rounds_report_the_median_round_and_list_every_round(tmp_path):
     servers = [PeerServer("fiberserve", [], 1), PeerServer("vLLM", [], 2)]
     series = {"fiberserve": [median_run(runs)], "vLLM": [result(64, 400.0)]}
     rounds = {"fiberserve": [[900.0], [700.0], [800.0]], "vLLM": [[400.0], [500.0], [300.0]]}
-    peaks = Peaks(threads=2, fp32=5e11, bf16=1e12, int8=2e12, q4_1=1.25e12)
+    peaks = Peaks(threads=2, fp32=5e11, bf16=1e12, int8=2e12, q4_1=1.25e12, amx_bf16=4e12)
     flops = TokenFlops(decoder=0.5e9, head=0.5e9)
     text = render("c", [64], series, {}, {}, servers, [], peaks, flops, str(tmp_path / "absent.md"), rounds)
     assert "Each figure is the median of 3 rounds" in text
