@@ -41,9 +41,8 @@ HELP = {
         "still stream at once; a new request ends the run after the current step); 1 = off"
     ),
     "speculative_tokens": (
-        "the longest draft a greedy decode carries in a batch of up to 4 sequences (speculative decoding by prompt "
-        "lookup: the tokens that followed the last earlier occurrence of its last 2-3 tokens; checked in the same "
-        "pass, so the output is unchanged; a draft is cut where one more token would lower the expected tokens per "
+        "the longest draft a greedy decode carries (speculative decoding by prompt lookup: the tokens that followed "
+        "the last earlier occurrence of its last 2-3 tokens; checked in the same pass, so the output is unchanged; a draft is cut where one more token would lower the expected tokens per "
         "second, from how often the sequence's drafts came true and the pass times measured); 0 = off"
     ),
     "prefix_caching": "reuse KV pages of prompt prefixes already computed",

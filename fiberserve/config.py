@@ -47,7 +47,7 @@ class EngineConfig:
     #: each step lands on the host while the next computes, and a new arrival halts the flight after its
     #: current step.  1: every step lands before the next boards.
     decode_steps: int = 8
-    #: The longest draft by prompt lookup a greedy decode may carry in a flight of up to 4 sequences (speculative
+    #: The longest draft by prompt lookup a greedy decode may carry, in a flight of any size (speculative
     #: decoding, vLLM's "ngram" method): checked in the same forward pass, kept up to the first token the model
     #: would not have picked, so the output is what plain decoding gives (bit for bit where the kernels are batch
     #: invariant: bf16 and int4 on CPU; elsewhere up to the near ties batching itself may flip).  A draft is cut

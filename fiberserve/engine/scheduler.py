@@ -21,7 +21,7 @@ Policy, in the order :meth:`Scheduler.next_flight` applies it:
    preempting).  Each step lands as it comes (:meth:`on_step`); a new
    arrival halts such flights after their current step, so admission waits
    at most one step.
-5. In a flight of at most ``SPECULATIVE_MAX_SEQUENCES`` sequences, each
+5. In a flight of any size, each
    greedy decode that ``decodes_freely`` may carry a draft by prompt lookup
    (``drafting.py``) of up to ``speculative_tokens`` tokens, bounded by its
    remaining tokens, the token budget and the pages free to reserve now
@@ -53,12 +53,6 @@ from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent, St
 #: computes, so on a CPU whose cores all run the fiber's threads the loop's work competes with them: measured on
 #: 2 cores, one sequence gains the ~0.7 ms round trip of every step, while 16 streamed sequences lost 5-10%.
 MULTI_STEP_MAX_SEQUENCES = 4
-
-#: Drafts ride in flights of at most this many sequences.  A draft token costs a row of every product; with
-#: few rows the products are bound by reading the weights, so extra rows come almost free, while at larger
-#: batches they are compute-bound and a rejected draft is pure cost (vLLM's ``disable_by_batch_size``).
-SPECULATIVE_MAX_SEQUENCES = 4
-
 
 class Scheduler:
     def __init__(
@@ -161,7 +155,10 @@ class Scheduler:
         of r rows over these sequences takes ``pass_times[len(items)].estimate(r)``.  Draft tokens are taken
         likeliest first while they fit the budget, and the flight keeps the count with the highest (sampled tokens
         + expected kept) / time."""
-        if not self.speculative_tokens or len(items) > SPECULATIVE_MAX_SEQUENCES:
+        # No cap on the flight's size (there was one, 4 sequences, vLLM's ``disable_by_batch_size``): a pass's
+        # cost per row is learnt for each number of sequences, so where extra rows cost compute, drafts are cut
+        # by this rule itself, and where they come nearly free (AMX products at 64 sequences) they pay.
+        if not self.speculative_tokens:
             return [[] for _ in items]
         proposals = []
         for item in items:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fiberserve.engine.kvcache import PagePool
 from fiberserve.engine.runner import FlightResult
 from fiberserve.engine.sampling_params import SamplingParams
-from fiberserve.engine.scheduler import MULTI_STEP_MAX_SEQUENCES, SPECULATIVE_MAX_SEQUENCES, Scheduler
+from fiberserve.engine.scheduler import MULTI_STEP_MAX_SEQUENCES, Scheduler
 from fiberserve.engine.sequence import Sequence, Status
 from fiberserve.model.tokenizer import IncrementalDetokenizer
 
@@ -187,19 +187,28 @@ def test_drafts_are_bounded_by_the_tokens_left_the_budget_and_the_free_pages():
     assert item.draft == (ord("b"),) and len(seq.pages) == 2 and scheduler.preemptions == 0
 
 
-def test_no_draft_for_sampling_penalties_big_flights_or_when_off():
+def test_no_draft_for_sampling_penalties_or_when_off():
     for params in (
         SamplingParams(max_new_tokens=20, temperature=0.8),
         SamplingParams(max_new_tokens=20, temperature=0, repetition_penalty=1.2),
     ):
         scheduler, _ = drafting(params=params)
         assert scheduler.next_flight().items[0].draft == (), params
-    scheduler = Scheduler(PagePool(64, page_size=4), 16, 64, decode_steps=8, speculative_tokens=4)
-    decoding(scheduler, *(sequence(prompt="ab!ab") for _ in range(SPECULATIVE_MAX_SEQUENCES + 1)))
-    assert all(not item.draft for item in scheduler.next_flight().items)
     scheduler = Scheduler(PagePool(64, page_size=4), 16, 64, decode_steps=8, speculative_tokens=0)
     decoding(scheduler, sequence(prompt="ab!ab"))
     assert not scheduler.next_flight().items[0].draft
+
+
+def test_big_flights_draft_where_their_rows_are_cheap_and_not_where_they_cost_compute():
+    """No cap on the flight's size: the pass times learnt for 6 sequences decide.  Weight-bound passes (each row
+    0.1 ms on 10 ms) take drafts; compute-bound ones (each row costs its share, 2 ms) take none at 1/2."""
+    for per_row, drafted in ((0.0001, True), (0.002, False)):
+        scheduler = Scheduler(PagePool(64, page_size=4), 16, 64, decode_steps=8, speculative_tokens=4)
+        decoding(scheduler, *(sequence(prompt="ab!ab") for _ in range(6)))
+        for rows in (6, 12, 18, 24):
+            scheduler.pass_times[6].observe(rows, 0.010 + per_row * rows)
+        items = scheduler.next_flight().items
+        assert len(items) == 6 and all(bool(item.draft) == drafted for item in items), per_row
 
 
 def test_a_multi_step_flight_halts_once_a_sequence_has_a_draft():
