@@ -42,8 +42,9 @@ HELP = {
     ),
     "speculative_tokens": (
         "the longest draft a greedy decode carries (speculative decoding by prompt lookup: the tokens that followed "
-        "the last earlier occurrence of its last 2-3 tokens; checked in the same pass, so the output is unchanged; a draft is cut where one more token would lower the expected tokens per "
-        "second, from how often the sequence's drafts came true and the pass times measured); 0 = off"
+        "the last earlier occurrence of its last 2-3 tokens; checked in the same pass, so the output is unchanged; "
+        "a draft is cut where one more token would lower the expected tokens per second, from how often the "
+        "sequence's drafts came true and the pass times measured); 0 = off"
     ),
     "prefix_caching": "reuse KV pages of prompt prefixes already computed",
     "max_queue": "most sequences waiting for admission; beyond it requests get 503 at once",

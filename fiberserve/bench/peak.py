@@ -79,7 +79,6 @@ class Peaks:
         )
 
 
-
 def measure_peaks(threads: int | None = None, iterations: int = 50_000_000, build_dir: Path | None = None) -> Peaks:
     """Time each instruction kind on ``threads`` threads (default: every CPU); ~0.3 s per kind.  The timing code
     is compiled on first use into ``build_dir`` (default: ``build`` in the cache directory)."""

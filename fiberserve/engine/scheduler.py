@@ -54,6 +54,7 @@ from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent, St
 #: 2 cores, one sequence gains the ~0.7 ms round trip of every step, while 16 streamed sequences lost 5-10%.
 MULTI_STEP_MAX_SEQUENCES = 4
 
+
 class Scheduler:
     def __init__(
         self,
