@@ -100,14 +100,20 @@ template <bool kGated, typename out_t>
 void amx_blocks_of(const Row* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t K, int64_t count,
                    const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch) {
   const int64_t block_stride = K * kBlock;
-  alignas(64) float sums[amx::kRows * amx::kCols * kBlock];
+  alignas(64) float sums[2 * amx::kRows * amx::kCols * kBlock];
   for (int64_t first = 0; first < count; first += kCols) {
     const int n = static_cast<int>(std::min<int64_t>(kCols, count - first));
     const float* bg = bias ? bias + first * kBlock : nullptr;
     out_t* o = out + (kGated ? first / 2 : first) * kBlock;
-    for (int64_t r = 0; r < rows; r += amx::kRows) {
-      amx::tile_sums(x + r * ldx, ldx, w + first * block_stride, K, block_stride, n, sums);
-      for (int64_t i = 0; i < std::min<int64_t>(amx::kRows, rows - r); ++i) {
+    for (int64_t r = 0, height; r < rows; r += height) {
+      height = rows - r > amx::kRows ? 2 * amx::kRows : amx::kRows;  // two row tiles where there are
+      if (height > amx::kRows) {
+        amx::pair_sums(x + r * ldx, ldx, w + first * block_stride, K, block_stride, n, sums);
+        prefetch.step();
+      } else {
+        amx::tile_sums(x + r * ldx, ldx, w + first * block_stride, K, block_stride, n, sums);
+      }
+      for (int64_t i = 0; i < std::min(height, rows - r); ++i) {
         __m512 acc[kCols];
         for (int c = 0; c < n; ++c) {
           acc[c] = _mm512_load_ps(sums + i * amx::kCols * kBlock + c * kBlock);

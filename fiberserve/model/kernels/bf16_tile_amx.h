@@ -93,6 +93,44 @@ inline void tile_sums(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t
   if (count > 3) _tile_stored(3, sums + 3 * kBlock, kSumStride);
 }
 
+// tile_sums for 32 rows (x's next 16 rows start ldx * 16 on), into `sums` of 32 rows: two row tiles share each
+// weight tile and two column blocks each row tile (2 x 2 accumulators, 4 tile loads per 4 tdpbf16ps instead of 5).
+// The same k steps in the same order for every output, so the same bits as tile_sums.
+inline void pair_sums(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, int64_t block_stride, int count,
+                      float* sums) {
+  constexpr int64_t kSumStride = kCols * kBlock * sizeof(float), kLower = kRows * kCols * kBlock;
+  const int64_t stride = ldx * 2;
+  const uint16_t* x1 = x + kRows * ldx;
+  for (int c = 0; c < count; c += 2) {
+    const bool two = c + 1 < count;
+    const uint16_t* wc = w + c * block_stride;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 2 * kPairs) {
+      const uint16_t* wk = wc + k * kBlock;
+      _tile_loadd(4, x + k, stride);
+      _tile_loadd(6, wk, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, x1 + k, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if (two) {
+        _tile_loadd(7, wk + block_stride, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    float* s = sums + c * kBlock;
+    _tile_stored(0, s, kSumStride);
+    _tile_stored(2, s + kLower, kSumStride);
+    if (two) {
+      _tile_stored(1, s + kBlock, kSumStride);
+      _tile_stored(3, s + kLower + kBlock, kSumStride);
+    }
+  }
+}
+
 }  // namespace fiberserve::amx
 
 #endif
