@@ -94,42 +94,67 @@ template <int MR, int NR, bool kGated, typename out_t>
 }
 
 #if defined(FIBERSERVE_AMX)
+// A unit's sums waiting for their epilogue (bias, rounding, SiLU x up): rows [next, rows) of `sums` go to `out`.
+template <bool kGated, typename out_t>
+struct PendingRows {
+  const float* sums = nullptr;
+  const float* bias = nullptr;
+  out_t* out = nullptr;
+  int64_t ldo = 0, next = 0, rows = 0;
+  int count = 0;
+
+  // Up to `n` more rows written.
+  void drain(int64_t n) {
+    for (const int64_t end = std::min(rows, next + n); next < end; ++next) {
+      __m512 acc[kCols];
+      for (int c = 0; c < count; ++c) {
+        acc[c] = _mm512_load_ps(sums + next * amx::kCols * kBlock + c * kBlock);
+        if (bias) acc[c] = _mm512_add_ps(acc[c], _mm512_loadu_ps(bias + c * kBlock));
+      }
+      out_t* row = out + next * ldo;
+      if constexpr (kGated) {
+        for (int c = 0; c < kCols / 2; ++c)
+          store16(row + c * kBlock, silu_times((f32x16)stored(acc[c], row), (f32x16)stored(acc[c + kCols / 2], row)));
+      } else {
+        for (int c = 0; c < count; ++c) store(row + c * kBlock, acc[c]);
+      }
+    }
+  }
+};
+
 // blocks_of on AMX tiles: rows [0, rows) of x, which holds whole tiles of amx::kRows rows (the product pads it),
-// against `count` blocks; only the first `rows` rows are written.
+// against `count` blocks; only the first `rows` rows are written.  Units of one or two row tiles (two where there
+// are) by a column group.  A unit's epilogue is done a few rows per k step of the next unit (two sums buffers),
+// so that it overlaps the tile unit's work instead of following it: SiLU's exp and division cost about as much
+// as a gated unit's tile work.
 template <bool kGated, typename out_t>
 void amx_blocks_of(const Row* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t K, int64_t count,
                    const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch) {
-  const int64_t block_stride = K * kBlock;
-  alignas(64) float sums[2 * amx::kRows * amx::kCols * kBlock];
+  const int64_t block_stride = K * kBlock, steps = K / (2 * amx::kPairs);
+  alignas(64) float sums[2][2 * amx::kRows * amx::kCols * kBlock];
+  PendingRows<kGated, out_t> pending;
+  int buffer = 0;
   for (int64_t first = 0; first < count; first += kCols) {
     const int n = static_cast<int>(std::min<int64_t>(kCols, count - first));
-    const float* bg = bias ? bias + first * kBlock : nullptr;
-    out_t* o = out + (kGated ? first / 2 : first) * kBlock;
     for (int64_t r = 0, height; r < rows; r += height) {
-      height = rows - r > amx::kRows ? 2 * amx::kRows : amx::kRows;  // two row tiles where there are
+      height = rows - r > amx::kRows ? 2 * amx::kRows : amx::kRows;
+      const int64_t per_step = (pending.rows - pending.next + steps - 1) / steps;
+      const auto between = [&] { pending.drain(per_step); };
+      const uint16_t* wg = w + first * block_stride;
       if (height > amx::kRows) {
-        amx::pair_sums(x + r * ldx, ldx, w + first * block_stride, K, block_stride, n, sums);
+        amx::pair_sums(x + r * ldx, ldx, wg, K, block_stride, n, sums[buffer], between);
         prefetch.step();
       } else {
-        amx::tile_sums(x + r * ldx, ldx, w + first * block_stride, K, block_stride, n, sums);
-      }
-      for (int64_t i = 0; i < std::min(height, rows - r); ++i) {
-        __m512 acc[kCols];
-        for (int c = 0; c < n; ++c) {
-          acc[c] = _mm512_load_ps(sums + i * amx::kCols * kBlock + c * kBlock);
-          if (bg) acc[c] = _mm512_add_ps(acc[c], _mm512_loadu_ps(bg + c * kBlock));
-        }
-        out_t* row = o + (r + i) * ldo;
-        if constexpr (kGated) {
-          for (int c = 0; c < kCols / 2; ++c)
-            store16(row + c * kBlock, silu_times((f32x16)stored(acc[c], row), (f32x16)stored(acc[c + kCols / 2], row)));
-        } else {
-          for (int c = 0; c < n; ++c) store(row + c * kBlock, acc[c]);
-        }
+        amx::tile_sums(x + r * ldx, ldx, wg, K, block_stride, n, sums[buffer], between);
       }
       prefetch.step();
+      pending.drain(pending.rows);
+      pending = {sums[buffer], bias ? bias + first * kBlock : nullptr,
+                 out + r * ldo + (kGated ? first / 2 : first) * kBlock, ldo, 0, std::min(height, rows - r), n};
+      buffer ^= 1;
     }
   }
+  pending.drain(pending.rows);
 }
 #endif
 

@@ -61,8 +61,11 @@ inline void amx_release() { _tile_release(); }
 
 // C[16, 16 * count] = x[16, K] . W^T for `count` (1..4) consecutive packed blocks, into `sums` (row stride 64
 // floats).  x: 16 rows of K bf16 with row stride ldx (elements); w: the first block; K a multiple of 32.
+// between() runs after each k step's instructions are issued: vector work there (the previous tile's epilogue)
+// runs while the tile unit computes, instead of after it.
+template <typename Between>
 inline void tile_sums(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, int64_t block_stride, int count,
-                      float* sums) {
+                      float* sums, const Between& between) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -85,6 +88,7 @@ inline void tile_sums(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t
       _tile_loadd(5, wk + 3 * block_stride, 64);
       _tile_dpbf16ps(3, 4, 5);
     }
+    between();
   }
   constexpr int64_t kSumStride = kCols * kBlock * sizeof(float);
   _tile_stored(0, sums, kSumStride);
@@ -96,8 +100,9 @@ inline void tile_sums(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t
 // tile_sums for 32 rows (x's next 16 rows start ldx * 16 on), into `sums` of 32 rows: two row tiles share each
 // weight tile and two column blocks each row tile (2 x 2 accumulators, 4 tile loads per 4 tdpbf16ps instead of 5).
 // The same k steps in the same order for every output, so the same bits as tile_sums.
+template <typename Between>
 inline void pair_sums(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, int64_t block_stride, int count,
-                      float* sums) {
+                      float* sums, const Between& between) {
   constexpr int64_t kSumStride = kCols * kBlock * sizeof(float), kLower = kRows * kCols * kBlock;
   const int64_t stride = ldx * 2;
   const uint16_t* x1 = x + kRows * ldx;
@@ -120,6 +125,7 @@ inline void pair_sums(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(3, 5, 7);
       }
+      between();
     }
     float* s = sums + c * kBlock;
     _tile_stored(0, s, kSumStride);
