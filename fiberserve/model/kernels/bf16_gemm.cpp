@@ -7,8 +7,9 @@
 // any batch and at any row count (no one-row special path, unlike oneDNN's matrix-vector kernel).
 //
 // Speed (2 cores, SmolLM2-135M's 120 decoder products per step, bf16): see fiberserve/model/linear.py.
-// The row tiles: AVX512-BF16's below, or AVX2's (bf16_tile_avx2.h, vdpbf16ps's arithmetic by multiply-adds); the
-// rest of the file serves both.  bf16_gemm_available() says whether either was compiled.
+// The row tiles: AMX's (bf16_tile_amx.h, tdpbf16ps on 16-row tiles) where the CPU has them and Linux grants them,
+// else AVX512-BF16's below, or AVX2's (bf16_tile_avx2.h, vdpbf16ps's arithmetic by multiply-adds); the rest of the
+// file serves all three.  bf16_gemm_available() says whether any was compiled, bf16_amx() whether AMX runs.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
