@@ -41,7 +41,7 @@ HELP = {
         "still stream at once; a new request ends the run after the current step); 1 = off"
     ),
     "speculative_tokens": (
-        "the longest draft a greedy decode carries (speculative decoding by prompt lookup: the tokens that followed "
+        "the longest draft a decode carries (speculative decoding by prompt lookup: the tokens that followed "
         "the last earlier occurrence of its last 2-3 tokens; checked in the same pass, so the output is unchanged; "
         "a draft is cut where one more token would lower the expected tokens per second, from how often the "
         "sequence's drafts came true and the pass times measured); 0 = off"

@@ -47,9 +47,9 @@ class EngineConfig:
     #: each step lands on the host while the next computes, and a new arrival halts the flight after its
     #: current step.  1: every step lands before the next boards.
     decode_steps: int = 8
-    #: The longest draft by prompt lookup a greedy decode may carry, in a flight of any size (speculative
+    #: The longest draft by prompt lookup a decode (greedy or sampled) may carry, in a flight of any size (speculative
     #: decoding, vLLM's "ngram" method): checked in the same forward pass, kept up to the first token the model
-    #: would not have picked, so the output is what plain decoding gives (bit for bit where the kernels are batch
+    #: did not pick there, so the output is what plain decoding gives (bit for bit where the kernels are batch
     #: invariant: bf16 and int4 on CPU; elsewhere up to the near ties batching itself may flip).  A draft is cut
     #: where one more token would lower the flight's expected tokens per second, from the rate the sequence's
     #: drafts come true and the pass times measured by rows (scheduler policy 5).  0: off.

@@ -13,8 +13,8 @@ gives; see ``FlightItem.accept``.
 
 Each lookup also learns how often its drafts come true (``acceptance``): at
 every proposal it checks the previous one against the tokens the sequence
-gained since, whether that draft was computed or not (a greedy sequence's
-tokens are the same either way).  So a sequence that drafts nothing, because
+gained since, whether that draft was computed or not (a sequence's tokens
+are the same either way: see ``FlightItem.accept``).  So a sequence that drafts nothing, because
 its drafts did not look worth their rows, still learns when its text starts
 repeating.  The scheduler weighs that rate against what rows cost (policy 5).
 """

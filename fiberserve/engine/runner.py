@@ -13,7 +13,7 @@ lands it on the host's loop while the next step computes.  The fiber then
 goes from one step to the next without the round trip through the host
 (~0.4-0.7 ms a step on 2 cores: 5-8% of a one-sequence decode).  After the
 first step the runner reads only what landing does not change (parameters,
-generator, stop tokens, the abort flag); the host appends the tokens meanwhile.
+sampling key, stop tokens, the abort flag); the host appends the tokens meanwhile.
 
 A decode may also carry draft tokens (``FlightItem.draft``, speculative
 decoding; see ``drafting.py``): its chunk is the last token then the draft, every
@@ -66,12 +66,20 @@ class FlightItem:
         """How many of the chunk's last rows pick a token: the last known token's, and each draft token's."""
         return 1 + len(self.draft) if self.samples else 0
 
+    @property
+    def sampled_positions(self) -> range:
+        """The positions (in the sequence's tokens) of the tokens its ``sample_rows`` pick, in row order."""
+        end = self.start + self.length + 1
+        return range(end - self.sample_rows, end)
+
     def accept(self, picks: list[tuple[int, TokenLogprob | None]]) -> list[tuple[int, TokenLogprob | None]]:
         """The picks this item keeps, one per ``sample_rows``: the first row's, then each next row's while the
         row before it picked the draft token that row was fed, and not after a stop token.  A row's pick is the
-        token the sequence decoding alone would get there only while every token before it is the sequence's
-        own (greedy drafting only; the kernels are batch invariant, so a row's logits do not depend on the
-        rows beside it)."""
+        token the sequence decoding alone would get there while every token before it is the sequence's own:
+        the kernels are batch invariant (a row's logits do not depend on the rows beside it) and a sampled row
+        draws with the noise of its position (``sampling_noise``).  For a sampled sequence this is speculative
+        sampling's rejection rule with a one-token draft distribution: the draft is kept with the probability
+        the model gives it, and otherwise the pick is a draw from the rest, so the output is unchanged."""
         kept = picks[:1]
         for drafted, pick in zip(self.draft, picks[1:], strict=True):
             if kept[-1][0] != drafted or drafted in self.seq.stop_ids:
@@ -216,6 +224,7 @@ class ModelRunner:
         batch = self.build_batch(items)
         batch.before_layers = before_layers
         sampling = [item.seq for item in items for _ in range(item.sample_rows)]
+        positions = [position for item in items for position in item.sampled_positions]
         scoring = any(item.scored_prompt for item in items)
         scored: list[list[TokenLogprob]] = [[] for _ in items]
         if not scoring and sampling and all(seq.params.argmax_only for seq in sampling):  # no logits written
@@ -224,7 +233,7 @@ class ModelRunner:
             logits = self.model.forward(batch, self.cache)
             if scoring:
                 logits = self._score_prompts(items, logits, scored)
-            picked = iter(sample(logits, sampling) if sampling else [])
+            picked = iter(sample(logits, sampling, positions) if sampling else [])
         picks = [item.accept([next(picked) for _ in range(item.sample_rows)]) for item in items]
         return FlightResult(picks, scored, items, time.perf_counter() - started)
 

@@ -22,7 +22,7 @@ Policy, in the order :meth:`Scheduler.next_flight` applies it:
    arrival halts such flights after their current step, so admission waits
    at most one step.
 5. In a flight of any size, each
-   greedy decode that ``decodes_freely`` may carry a draft by prompt lookup
+   decode that ``decodes_freely`` (greedy or sampled) may carry a draft by prompt lookup
    (``drafting.py``) of up to ``speculative_tokens`` tokens, bounded by its
    remaining tokens, the token budget and the pages free to reserve now
    (never by preempting).  Draft tokens are taken while they raise the
@@ -139,7 +139,7 @@ class Scheduler:
         return max(1, steps)
 
     def _draft(self, items: list[FlightItem], budget: int) -> bool:
-        """Give the flight's greedy decodes their drafts (policy 5); reserves their pages.  True if any got one."""
+        """Give the flight's free decodes their drafts (policy 5); reserves their pages.  True if any got one."""
         drafts = self._drafts(items, budget)
         for item, draft in zip(items, drafts, strict=True):
             seq = item.seq
@@ -164,9 +164,8 @@ class Scheduler:
         proposals = []
         for item in items:
             seq = item.seq
-            eligible = item.decodes_freely and seq.params.greedy
             room = min(self.speculative_tokens, seq.max_tokens - len(seq.output_ids) - 1)
-            proposals.append(self._propose(seq, room) if eligible else [])
+            proposals.append(self._propose(seq, room) if item.decodes_freely else [])
         candidates = sorted(
             (-(item.seq.drafter.acceptance ** (i + 1)), i, index)
             for index, (item, draft) in enumerate(zip(items, proposals, strict=True))
@@ -249,7 +248,7 @@ class Scheduler:
         """A step of a multi-step flight, handed over while the next one computes: its tokens are recorded and
         streamed as at landing, but its sequences stay in the air (one that ends is finished at landing).
 
-        Where drafting is on and one of its greedy sequences now has a draft (its text started repeating), the
+        Where drafting is on and one of its sequences now has a draft (its text started repeating), the
         flight is halted after its current step, so that the next flight carries the draft (policy 5)."""
         if flight.landed:  # the flight failed meanwhile (a timeout) and its sequences are finished
             return

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
+import random
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from fiberserve.engine.drafting import PromptLookup
 from fiberserve.engine.grammar import GrammarState
+from fiberserve.engine.sampling_noise import sampling_key
 from fiberserve.engine.sampling_params import SamplingParams
 from fiberserve.model.tokenizer import IncrementalDetokenizer
 
@@ -92,11 +92,8 @@ class Sequence:
         self.held = ""  #: text not yet released: it may be the start of a stop string
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
         self.max_tokens = min(params.max_new_tokens, max_context - len(prompt_ids))
-        self.generator = torch.Generator()
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed + index)
-        else:
-            self.generator.seed()
+        #: Keys this sequence's sampling noise (see ``sampler.uniform``): from the request's seed, or random.
+        self.sampling_key = sampling_key(random.getrandbits(64) if params.seed is None else params.seed, index)
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

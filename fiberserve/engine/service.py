@@ -7,8 +7,8 @@ landing appends tokens, streams text and frees finished sequences' pages.
 Because boarding does not wait for the previous flight to land, up to
 ``fibers`` flights are in the air at once.  A flight of plain decodes may
 run several steps on its fiber, each landing on this loop as the next one
-computes (``decode_steps``; see the runner and the scheduler).  A small
-flight's greedy decodes may carry draft tokens, checked in the same pass
+computes (``decode_steps``; see the runner and the scheduler).  A flight's
+decodes may carry draft tokens, checked in the same pass
 (``speculative_tokens``; see ``drafting.py``).
 """
 
@@ -41,6 +41,7 @@ from fiberserve.model.llama import KVCache, LlamaModel
 from fiberserve.model.loader import load_checkpoint
 from fiberserve.model.tokenizer import Tokenizer, load_tokenizer
 from fiberserve.runtime import FiberPool, Isolation, Program
+from fiberserve.runtime.allocator import keep_freed_buffers
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +185,7 @@ class LlmService:
     def load(cls, config: EngineConfig) -> LlmService:
         """Load weights and tokenizer (seconds for the default model); fetch the default if needed."""
         path = config.model or str(default_model_path(config.cache_dir, progress=config.progress))
+        keep_freed_buffers()
         with _one_intra_op_thread():
             checkpoint = load_checkpoint(path, progress=config.progress)  # first: a bad --model fails at once,
             dtype = resolve_dtype(config.dtype, config.device)  # not after the kernels' first build (~90 s)

@@ -414,8 +414,9 @@ async def test_a_new_request_halts_a_multi_step_flight_after_its_current_step(en
 
 async def test_speculative_decoding_gives_the_tokens_text_logprobs_and_events_of_plain_decoding(engine, tokenizer):
     """Drafts change how many tokens a pass yields, not which: greedy requests (a stop string, EOS, logprobs, a
-    repeating text) and a sampled one (never drafted) get exactly what they get without drafts, one streamed
-    event per token; a second run of the same prompts, from the pages the first registered, too."""
+    repeating text) and seeded sampled ones (drafted too: each draw is keyed by its position) get exactly what
+    they get without drafts, one streamed event per token; a second run of the same prompts, from the pages the
+    first registered, too."""
     count = tokenizer.encode("Count: 1, 2, 3, 4, 5, 6, 7,")
     chat = engine.chat_prompts(3)
     cases = [
@@ -424,6 +425,7 @@ async def test_speculative_decoding_gives_the_tokens_text_logprobs_and_events_of
         (chat[1], SamplingParams(max_new_tokens=37, temperature=0, logprobs=True, top_logprobs=2)),
         (tokenizer.encode("the dog lazy " * 3), SamplingParams(max_new_tokens=60, temperature=0, ignore_eos=True)),
         (chat[2], SamplingParams(max_new_tokens=29, temperature=0.8, seed=3)),
+        (tokenizer.encode("the dog lazy " * 3), SamplingParams(max_new_tokens=60, temperature=0.6, seed=5)),
     ]
 
     def summary(out):
@@ -445,3 +447,5 @@ async def test_speculative_decoding_gives_the_tokens_text_logprobs_and_events_of
         assert len(seq_events) == len(completion[0][0])
         assert "".join(e.delta for e in seq_events) == completion[0][1]
     assert accepted > 60 and drafted_flights < plain_flights - 60, (accepted, drafted_flights, plain_flights)
+    _, _, sampled_only = await _serve_cases(engine, cases[-1:], decode_steps=1, speculative_tokens=4)
+    assert sampled_only.accepted_tokens > 10  # the sampled repeating text drafted, and its drafts were kept

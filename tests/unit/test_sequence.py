@@ -87,7 +87,7 @@ def test_greedy_sampling_picks_the_first_maximum_and_survives_nan_rows():
     torch.manual_seed(7)
     logits = torch.randn(3, 4000)
     logits[1, 10] = logits[1, 3000] = 50.0  # a tie: the first index wins, as with torch.argmax
-    picked = [token for token, _ in sample(logits, [make(greedy) for _ in range(3)])]
+    picked = [token for token, _ in sample(logits, [make(greedy) for _ in range(3)], [3, 3, 3])]
     assert picked == logits.argmax(-1).tolist() and picked[1] == 10
     logits[2] = float("nan")  # no kernel pick for a NaN row: torch's argmax decides the whole batch
-    assert [token for token, _ in sample(logits, [make(greedy) for _ in range(3)])] == logits.argmax(-1).tolist()
+    assert [token for token, _ in sample(logits, [make(greedy) for _ in range(3)], [3, 3, 3])] == logits.argmax(-1).tolist()
