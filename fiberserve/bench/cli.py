@@ -21,6 +21,9 @@ from fiberserve.model.config import read_config
 WARMUP_SEED, STREAM_SEED = 100, 200
 #: Added to every seed per round of ``compare --rounds``, so no round repeats another's prompts.
 ROUND_SEEDS = 1000
+#: Output tokens of the forced workload; the chat workload's limit (its answers end on their own before it), and
+#: its sampling temperature.
+FORCED_OUTPUT_LEN, CHAT_MAX_TOKENS, CHAT_TEMPERATURE = 64, 256, 0.7
 #: The fiberserve server with ``--quantization int4``: llama.cpp's arithmetic, the like-for-like llama-server peer.
 INT4_LABEL = "fiberserve int4"
 
@@ -62,8 +65,18 @@ def _positive(text: str) -> int:
     return value
 
 
+def workload_spec(workload: str, **given) -> LoadSpec:
+    """A load of ``workload`` ("forced" or "chat") with its defaults, overridden by the non-None ``given``."""
+    if workload == "chat":
+        defaults = {"output_len": CHAT_MAX_TOKENS, "temperature": CHAT_TEMPERATURE, "ignore_eos": False, "stream": True}
+    else:
+        defaults = {"output_len": FORCED_OUTPUT_LEN, "temperature": 0.0, "ignore_eos": True}
+    return LoadSpec(workload=workload, **{**defaults, **{k: v for k, v in given.items() if v is not None}})
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    spec = LoadSpec(
+    spec = workload_spec(
+        args.workload,
         url=args.url,
         api=args.api,
         model=args.model,
@@ -71,9 +84,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         duration_s=args.duration,
         prompt_words=args.prompt_words,
         output_len=args.output_len,
-        ignore_eos=not args.natural_length,
-        stream=args.stream,
+        temperature=args.temperature,
+        ignore_eos=False if args.natural_length else None,
+        stream=args.stream or None,
         fresh_connections=args.fresh_connections,
+        seeded=args.seeds,
     )
     results = _run_levels(_levels(spec, args.concurrency, args.rate, args.requests_per_client), args.url)
     table = summarize(results)
@@ -111,7 +126,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     peaks = measure_peaks(build_dir=cache / "build")  # first, while the machine is idle
     print(peaks.describe(), file=sys.stderr)
     flops = linear_flops(read_config(gguf))
-    base = LoadSpec(url="", requests=args.requests, duration_s=args.duration, prompt_words=40, output_len=64)
+    base = LoadSpec(
+        url="", requests=args.requests, duration_s=args.duration, prompt_words=40, output_len=FORCED_OUTPUT_LEN
+    )
     top = max(args.concurrency)
     flags = ["--max-running", str(top), *args.fiberserve_args]
     servers = [  # bf16 computes what vLLM does; int4 what llama-server does (Q4_1 x Q8_1)
@@ -225,9 +242,22 @@ def main(argv: list[str]) -> int:
     run.add_argument("--requests-per-client", type=int, default=4, help="closed loop: requests per client")
     run.add_argument("--duration", type=float, default=180.0, help="time limit per level (s)")
     run.add_argument("--prompt-words", type=int, default=40)
-    run.add_argument("--output-len", type=int, default=64)
+    run.add_argument(
+        "--workload",
+        choices=["forced", "chat"],
+        default="forced",
+        help="forced: completions of random words, a fixed output length, greedy; chat: streamed chat completions "
+        "with a shared system prompt and distinct questions, natural endings, sampled",
+    )
+    run.add_argument(
+        "--output-len", type=int, help=f"forced: {FORCED_OUTPUT_LEN} tokens; chat: the limit, {CHAT_MAX_TOKENS}"
+    )
+    run.add_argument("--temperature", type=float, help=f"forced: 0; chat: {CHAT_TEMPERATURE}")
+    run.add_argument(
+        "--seeds", action=argparse.BooleanOptionalAction, default=True, help="chat: a seed of its own per request"
+    )
     run.add_argument("--natural-length", action="store_true", help="let EOS end requests (default: forced length)")
-    run.add_argument("--stream", action="store_true")
+    run.add_argument("--stream", action="store_true", help="stream the answers (the chat workload always does)")
     run.add_argument("--fresh-connections", action="store_true", help="a new connection per request")
     run.add_argument("--json")
     run.add_argument("--markdown")

@@ -36,9 +36,59 @@ def check_loopback(url: str) -> None:
     raise SystemExit(f"refusing to load {url}: only loopback targets (127.0.0.0/8, ::1, localhost) are allowed")
 
 
+#: The chat workload's system prompt, shared by every request (as an assistant's product sends its own).
+CHAT_SYSTEM = (
+    "You are a friendly and knowledgeable assistant for a public library. Answer the visitor's question clearly "
+    "and accurately in a few sentences, using plain language that a curious teenager would understand. If the "
+    "question has several parts, answer each of them in order. Do not invent facts: when you are unsure, say so "
+    "and suggest where in the library the visitor could look for more. Keep a warm and encouraging tone."
+)
+CHAT_ASKS = (
+    "Explain how {} works.",
+    "What is the history of {}?",
+    "Give me three interesting facts about {}.",
+    "Why does {} matter to people today?",
+    "How would you describe {} to a ten-year-old?",
+    "What are common misconceptions about {}?",
+)
+CHAT_SUBJECTS = (
+    "photosynthesis",
+    "the printing press",
+    "volcanoes",
+    "the moon landing",
+    "bread baking",
+    "honey bees",
+    "the water cycle",
+    "electric cars",
+    "the Roman aqueducts",
+    "jazz music",
+    "black holes",
+    "vaccines",
+    "the stock market",
+    "origami",
+    "the Great Wall of China",
+    "recycling",
+    "rainbows",
+    "chess openings",
+    "the human heart",
+    "wind turbines",
+    "coral reefs",
+    "the internet",
+    "ancient Egyptian writing",
+    "tides",
+)
+
+
 def make_prompts(count: int, words: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     return [f"Request {i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(count)]
+
+
+def make_chat_questions(count: int, seed: int = 0) -> list[str]:
+    """Distinct user questions (as distinct as the templates allow), shuffled by ``seed``."""
+    pairs = [(ask, subject) for ask in CHAT_ASKS for subject in CHAT_SUBJECTS]
+    random.Random(seed).shuffle(pairs)
+    return [ask.format(subject) for ask, subject in (pairs * (count // len(pairs) + 1))[:count]]
 
 
 @dataclass
@@ -56,6 +106,12 @@ class LoadSpec:
     stream: bool = False
     fresh_connections: bool = False  # llama-server closes connections after a streamed response
     seed: int = 0
+    #: "forced": completions of ``prompt_words`` random words, ``output_len`` tokens, greedy.  "chat": chat
+    #: completions with a shared system prompt and distinct questions, up to ``output_len`` tokens ending
+    #: naturally, sampled at ``temperature`` (each request with a seed of its own where ``seeded``).
+    workload: str = "forced"
+    temperature: float = 0.0
+    seeded: bool = True
 
 
 @dataclass
@@ -104,17 +160,23 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[k] * 1000
 
 
-def _body(spec: LoadSpec, prompt: str) -> tuple[str, dict]:
+def _body(spec: LoadSpec, prompt: str, index: int) -> tuple[str, dict]:
+    if spec.workload == "chat":
+        return "/v1/chat/completions", _chat_body(spec, prompt, index)
     if spec.api == "sglang":
         return "/generate", {
             "text": prompt,
             "stream": spec.stream,
-            "sampling_params": {"max_new_tokens": spec.output_len, "temperature": 0, "ignore_eos": spec.ignore_eos},
+            "sampling_params": {
+                "max_new_tokens": spec.output_len,
+                "temperature": spec.temperature,
+                "ignore_eos": spec.ignore_eos,
+            },
         }
     body = {
         "prompt": prompt,
         "max_tokens": spec.output_len,
-        "temperature": 0,
+        "temperature": spec.temperature,
         "stream": spec.stream,
         "ignore_eos": spec.ignore_eos,
     }
@@ -123,6 +185,22 @@ def _body(spec: LoadSpec, prompt: str) -> tuple[str, dict]:
     if spec.stream:
         body["stream_options"] = {"include_usage": True}
     return "/v1/completions", body
+
+
+def _chat_body(spec: LoadSpec, question: str, index: int) -> dict:
+    body = {
+        "messages": [{"role": "system", "content": CHAT_SYSTEM}, {"role": "user", "content": question}],
+        "max_tokens": spec.output_len,
+        "temperature": spec.temperature,
+        "stream": spec.stream,
+    }
+    if spec.seeded:
+        body["seed"] = spec.seed * 100_000 + index
+    if spec.model:
+        body["model"] = spec.model
+    if spec.stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
 
 
 def _carries_text(chunk: dict) -> bool:
@@ -141,8 +219,8 @@ def _prompt(usage: dict) -> int:
     return int(usage.get("prompt_tokens") or 0)
 
 
-async def _one(session: aiohttp.ClientSession, spec: LoadSpec, prompt: str) -> Sample:
-    path, body = _body(spec, prompt)
+async def _one(session: aiohttp.ClientSession, spec: LoadSpec, prompt: str, index: int) -> Sample:
+    path, body = _body(spec, prompt, index)
     url = spec.url.rstrip("/") + path
     started = time.perf_counter()
     ttft = None
@@ -190,10 +268,15 @@ def _session(spec: LoadSpec) -> aiohttp.ClientSession:
 async def run_load(spec: LoadSpec) -> LoadResult:
     """Run one load level and summarize it."""
     check_loopback(spec.url)
-    prompts = make_prompts(spec.requests, spec.prompt_words, spec.seed)
+    if spec.workload == "chat":
+        if spec.api != "openai":
+            raise SystemExit("the chat workload sends OpenAI chat completions (--api openai)")
+        prompts = make_chat_questions(spec.requests, spec.seed)
+    else:
+        prompts = make_prompts(spec.requests, spec.prompt_words, spec.seed)
     samples: list[Sample] = []
     deadline = time.perf_counter() + spec.duration_s
-    queue = iter(prompts)
+    queue = iter(enumerate(prompts))
     session = _session(spec)
 
     try:
@@ -201,19 +284,19 @@ async def run_load(spec: LoadSpec) -> LoadResult:
         if spec.rate:
             rng = random.Random(spec.seed)
             tasks = []
-            for prompt in prompts:
+            for index, prompt in enumerate(prompts):
                 if time.perf_counter() > deadline:
                     break
-                tasks.append(asyncio.create_task(_one(session, spec, prompt)))
+                tasks.append(asyncio.create_task(_one(session, spec, prompt, index)))
                 await asyncio.sleep(rng.expovariate(spec.rate))
             samples = list(await asyncio.gather(*tasks))
         else:
 
             async def client_loop() -> None:
-                for prompt in queue:
+                for index, prompt in queue:
                     if time.perf_counter() > deadline:
                         return
-                    samples.append(await _one(session, spec, prompt))
+                    samples.append(await _one(session, spec, prompt, index))
 
             await asyncio.gather(*(client_loop() for _ in range(spec.concurrency)))
         wall = time.perf_counter() - started

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,9 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     stop: list[str] = field(default_factory=list)
+    #: The output ends (``stop``, the text kept whole) once its text has a match of one of these regular
+    #: expressions (SGLang's ``stop_regex``).
+    stop_regex: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     #: Return the log probability of each chosen token.
@@ -90,6 +94,11 @@ class SamplingParams:
                 len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop),
                 "at most 16 non-empty strings",
             ),
+            (
+                "stop_regex",
+                len(self.stop_regex) <= 16 and all(isinstance(s, str) and s and _compiles(s) for s in self.stop_regex),
+                "at most 16 non-empty valid regular expressions",
+            ),
             ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be in [0, 2**63)"),
             (
                 "logit_bias",
@@ -112,3 +121,11 @@ class SamplingParams:
             if not ok:
                 raise InvalidParameter(name, message)
         return self
+
+
+def _compiles(pattern: str) -> bool:
+    try:
+        re.compile(pattern)
+    except re.error:
+        return False
+    return True

@@ -6,6 +6,7 @@ import asyncio
 import enum
 import itertools
 import random
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -160,6 +161,14 @@ def _release_text(seq: Sequence, piece: str, final: bool) -> str:
     return pending
 
 
+def _stop_regex_match(seq: Sequence) -> str | None:
+    """The first ``stop_regex`` that matches the text so far (held text included), if any."""
+    if not seq.params.stop_regex or len(seq.output_ids) < seq.params.min_new_tokens:
+        return None
+    text = seq.text + seq.held
+    return next((pattern for pattern in seq.params.stop_regex if re.search(pattern, text)), None)
+
+
 def append_token(seq: Sequence, token: int, info: TokenLogprob | None) -> SequenceEvent:
     """Record a sampled token, apply the stop rules, and return the consumer's event.
 
@@ -169,7 +178,8 @@ def append_token(seq: Sequence, token: int, info: TokenLogprob | None) -> Sequen
     string ends with ``stop`` and is cut out of the text (kept with
     ``include_stop_str``), but only once there are ``min_new_tokens`` tokens
     (as in vLLM: one completed earlier is text; the sampler bans stop tokens
-    until then); reaching ``max_new_tokens`` (or the context length) ends
+    until then); a match of a ``stop_regex`` ends with ``stop`` and its text
+    is kept (as SGLang does), from ``min_new_tokens`` on too; reaching ``max_new_tokens`` (or the context length) ends
     with ``length``.
     """
     seq.output_ids.append(token)
@@ -193,4 +203,7 @@ def append_token(seq: Sequence, token: int, info: TokenLogprob | None) -> Sequen
     if final and seq.finish_reason is FinishReason.LENGTH:
         piece += seq.detokenizer.flush()
     delta = _release_text(seq, piece, final)
+    if seq.finish_reason is None and (pattern := _stop_regex_match(seq)) is not None:
+        seq.finish_reason, seq.matched_stop = FinishReason.STOP, pattern
+        delta, seq.text, seq.held = delta + seq.held, seq.text + seq.held, ""
     return SequenceEvent(delta, seq.finish_reason is not None)

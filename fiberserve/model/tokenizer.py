@@ -35,6 +35,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's own text, special tokens included (as SGLang's logprob entries show them)."""
+        return self.hf.batch_decode([[i] for i in ids], skip_special_tokens=False)
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
     ) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
@@ -14,8 +14,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fiberserve import __version__
 from fiberserve.engine import InvalidParameter
 from fiberserve.engine import Request as EngineRequest
-from fiberserve.engine.sequence import Sequence
+from fiberserve.engine.sequence import Sequence, TokenLogprob
 from fiberserve.engine.service import CompletionOutput, completion_of
+from fiberserve.model.tokenizer import Tokenizer
 from fiberserve.server.errors import ApiError, error_body, from_engine
 from fiberserve.server.protocol import GenerateRequest
 from fiberserve.server.state import ServerState
@@ -100,6 +101,26 @@ async def flush_cache(request: Request) -> dict:
     return {"success": True, "flushed_pages": dropped}
 
 
+@router.post("/concate_and_append_request")
+async def concatenate_and_append(request: Request) -> Response:
+    """The frontend's ``fork(...).join("concate_and_append")`` asks for this; SGLang's server dropped it."""
+    raise ApiError(
+        404,
+        "concate_and_append_request: SGLang's server no longer serves it, nor does this one; join forks with "
+        'join() ("gather_variable"), or set sgl.global_config.enable_parallel_encoding = False to append the text',
+        "concate_and_append_request",
+        kind="not_found_error",
+    )
+
+
+@router.api_route("/start_profile", methods=["GET", "POST"])
+@router.api_route("/stop_profile", methods=["GET", "POST"])
+async def profile(request: Request) -> Response:
+    """SGLang's profiler switches: not served (profile a fiberserve process from outside, e.g. with py-spy)."""
+    name = request.url.path.lstrip("/")
+    raise ApiError(400, f"{name}: profiling is not served by fiberserve; run py-spy on the process", name)
+
+
 @router.post("/debug/faults", include_in_schema=False)
 async def set_faults(request: Request) -> dict:
     """Retune fault injection; exists only on a server started with --fault-rate (testing)."""
@@ -131,14 +152,27 @@ def finish_reason(comp: CompletionOutput | Sequence) -> dict | None:
 
 @dataclass(frozen=True)
 class LogprobAsk:
-    """What a /generate answer carries of the logprobs: the output's, and the input's from a position on."""
+    """What a /generate answer carries of the logprobs: the output's, the input's from a position on, and each
+    entry's token text (``return_text_in_logprobs``)."""
 
     output: bool = False
     input_from: int | None = None
+    token_texts: Callable[[list[int]], list[str]] | None = None
 
     @classmethod
-    def of(cls, body: GenerateRequest) -> LogprobAsk:
-        return cls(bool(body.return_logprob), body.input_logprobs_from())
+    def of(cls, body: GenerateRequest, tokenizer: Tokenizer) -> LogprobAsk:
+        texts = tokenizer.token_texts if body.return_text_in_logprobs else None
+        return cls(bool(body.return_logprob), body.input_logprobs_from(), texts)
+
+    def entries(self, logprobs: list[TokenLogprob | None], token_ids: list[int]) -> tuple[list, list]:
+        """SGLang's ``[logprob, token_id, text]`` entries of ``token_ids`` and their top alternatives (None where a
+        token has no logprob: the prompt's first); text is None unless asked for."""
+        tops = [[] if lp is None else lp.top for lp in logprobs]
+        wanted = token_ids + [t for top in tops for t, _ in top]
+        texts = iter(self.token_texts(wanted) if self.token_texts else [None] * len(wanted))
+        chosen = [[lp and lp.logprob, t, next(texts)] for lp, t in zip(logprobs, token_ids, strict=True)]
+        top_entries = [lp and [[v, t, next(texts)] for t, v in top] for lp, top in zip(logprobs, tops, strict=True)]
+        return chosen, top_entries
 
 
 def _meta(req: EngineRequest, comp: CompletionOutput, logprob: LogprobAsk, started: float) -> dict:
@@ -151,12 +185,15 @@ def _meta(req: EngineRequest, comp: CompletionOutput, logprob: LogprobAsk, start
         "e2e_latency": time.monotonic() - started,
     }
     if logprob.output:
-        meta["output_token_logprobs"] = [[lp.logprob, lp.token_id, None] for lp in comp.logprobs]
-        meta["output_top_logprobs"] = [[[v, t, None] for t, v in lp.top] for lp in comp.logprobs]
-    if logprob.input_from is not None and comp.prompt_logprobs is not None:  # the first token has none
-        scored = list(zip(req.prompt_ids, comp.prompt_logprobs, strict=True))[logprob.input_from :]
-        meta["input_token_logprobs"] = [[lp and lp.logprob, t, None] for t, lp in scored]
-        meta["input_top_logprobs"] = [lp and [[v, i, None] for i, v in lp.top] for _, lp in scored]
+        chosen, top = logprob.entries(list(comp.logprobs), [lp.token_id for lp in comp.logprobs])
+        meta["output_token_logprobs"], meta["output_top_logprobs"] = chosen, top
+        meta["input_token_logprobs"], meta["input_top_logprobs"] = [], []
+    if logprob.input_from is not None and comp.prompt_logprobs is not None:
+        # As the frontend reads them (its token healing drops the first entry where it is the prompt's own):
+        # from logprob_start_len + 1 on, and from 0 on (the first token's logprob None) where it is 0.
+        first = logprob.input_from + 1 if logprob.input_from else 0
+        chosen, top = logprob.entries(comp.prompt_logprobs[first:], req.prompt_ids[first:])
+        meta["input_token_logprobs"], meta["input_top_logprobs"] = chosen, top
     return meta
 
 
@@ -166,6 +203,8 @@ def _result(req: EngineRequest, comp: CompletionOutput, logprob: LogprobAsk, sta
 
 def _prompts(state: ServerState, body: GenerateRequest) -> tuple[list[list[int]], bool]:
     """Token ids of every prompt, and whether the input was a list (so the answer is one)."""
+    if body.image_data is not None:
+        raise ApiError(400, "image_data: the model served reads text only", "image_data")
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "give exactly one of text or input_ids", "text")
     if body.text is not None:
@@ -195,8 +234,13 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         rids = body.rid if isinstance(body.rid, list) else [body.rid]
         if len(rids) != len(prompts) or any(len(r) > 128 or not r for r in rids):
             raise ApiError(400, "rid: one non-empty id (at most 128 characters) per prompt", "rid")
+    start = body.input_logprobs_from()
+    if start is not None and any(start > len(p) for p in prompts):
+        raise ApiError(
+            400, f"logprob_start_len: {start} is past the prompt's {min(map(len, prompts))} tokens", "logprob_start_len"
+        )
     requests = state.submit(request, prompts, params, rids)
-    logprob = LogprobAsk.of(body)
+    logprob = LogprobAsk.of(body, state.ready_service().tokenizer)
     many = batched or params.n > 1
     if body.stream:
         stream = _stream(state, request, requests, logprob, started, many)

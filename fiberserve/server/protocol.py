@@ -110,6 +110,9 @@ class NativeSamplingParams(SamplingFields):
     max_completion_tokens: Int | None = None  # shortfin's name for max_new_tokens
     no_stop_trim: StrictBool | None = None  # SGLang's name for include_stop_str_in_output
     sampling_seed: Int | None = None  # SGLang's name for seed
+    stop_regex: str | list[str] | None = None
+    #: Accepted and ignored: the tokenizers served are fast ones, which never put spaces between special tokens.
+    spaces_between_special_tokens: StrictBool | None = None
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -146,12 +149,24 @@ class GenerateRequest(Lenient):
     return_logprob: StrictBool | None = None
     top_logprobs_num: Int | None = None
     logprob_start_len: Int | None = None  # with return_logprob: the input's logprobs too, from this position on
+    return_text_in_logprobs: StrictBool | None = None  # each logprob entry carries its token's text
+    image_data: Any = None  # refused: the models served read text only
     rid: str | list[str] | None = None
 
     def input_logprobs_from(self) -> int | None:
-        """Where the input's logprobs start, if asked for (SGLang: ``logprob_start_len`` >= 0)."""
+        """Where the input's logprobs start, if asked for: ``logprob_start_len`` where it is >= 0; where it is
+        not given (or -1), 0 for a request that generates nothing (a scoring request, such as the frontend's
+        unconditional likelihoods) and none for one that generates."""
+        if not self.return_logprob:
+            return None
         start = self.logprob_start_len
-        return start if self.return_logprob and start is not None and start >= 0 else None
+        if start is None or start < 0:
+            return 0 if self.max_new_tokens() == 0 else None
+        return start
+
+    def max_new_tokens(self) -> int | None:
+        sp = self.sampling_params or NativeSamplingParams()
+        return sp.max_new_tokens if sp.max_new_tokens is not None else sp.max_completion_tokens
 
     def params(self) -> SamplingParams:
         sp = self.sampling_params or NativeSamplingParams()
@@ -161,8 +176,9 @@ class GenerateRequest(Lenient):
         return build_params(
             {"max_new_tokens": 128, "temperature": 1.0},
             **values,
-            max_new_tokens=sp.max_new_tokens if sp.max_new_tokens is not None else sp.max_completion_tokens,
+            max_new_tokens=self.max_new_tokens(),
             min_new_tokens=sp.min_new_tokens,
+            stop_regex=_stops(sp.stop_regex),
             include_stop_str=sp.no_stop_trim,
             logprobs=self.return_logprob,
             top_logprobs=self.top_logprobs_num if self.return_logprob else None,

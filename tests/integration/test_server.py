@@ -339,15 +339,16 @@ def test_echo_and_input_logprobs_score_the_prompt_as_lm_eval_asks(server, tokeni
     with server.client() as c:  # SGLang's way: return_logprob with logprob_start_len
         body = {"text": context + " Paris", "return_logprob": True, "logprob_start_len": 4, "top_logprobs_num": 1}
         meta = c.post("/generate", json={**body, "sampling_params": {"max_new_tokens": 0}}).json()["meta_info"]
-        assert [t for _, t, _ in meta["input_token_logprobs"]] == tokenizer.encode(context + " Paris")[4:]
-        assert [lp for lp, _, _ in meta["input_token_logprobs"]] == pytest.approx(lp.token_logprobs[4:], abs=1e-6)
-        assert [len(top) for top in meta["input_top_logprobs"]] == [1, 1]
+        # from logprob_start_len + 1, as the frontend's token healing reads them
+        assert [t for _, t, _ in meta["input_token_logprobs"]] == tokenizer.encode(context + " Paris")[5:]
+        assert [lp for lp, _, _ in meta["input_token_logprobs"]] == pytest.approx(lp.token_logprobs[5:], abs=1e-6)
+        assert [len(top) for top in meta["input_top_logprobs"]] == [1]
         whole = c.post("/generate", json={**body, "logprob_start_len": 0}).json()["meta_info"]
         assert whole["input_token_logprobs"][0][0] is None and whole["input_top_logprobs"][0] is None
         assert len(whole["input_token_logprobs"]) == 6
         two = {"max_new_tokens": 2, "ignore_eos": True}
         outputs_only = c.post("/generate", json={**body, "logprob_start_len": -1, "sampling_params": two}).json()
-        assert "input_token_logprobs" not in outputs_only["meta_info"]
+        assert outputs_only["meta_info"]["input_token_logprobs"] == []
         assert len(outputs_only["meta_info"]["output_token_logprobs"]) == 2
     server.assert_idle()
 

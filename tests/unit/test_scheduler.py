@@ -187,10 +187,12 @@ def test_drafts_are_bounded_by_the_tokens_left_the_budget_and_the_free_pages():
     assert item.draft == (ord("b"),) and len(seq.pages) == 2 and scheduler.preemptions == 0
 
 
-def test_no_draft_for_sampling_penalties_or_when_off():
+def test_sampled_decodes_draft_and_penalized_ones_or_any_when_off_do_not():
+    scheduler, _ = drafting(params=SamplingParams(max_new_tokens=20, temperature=0.8, seed=1))
+    assert scheduler.next_flight().items[0].draft  # each row draws with its position's noise: drafts keep exact
     for params in (
-        SamplingParams(max_new_tokens=20, temperature=0.8),
         SamplingParams(max_new_tokens=20, temperature=0, repetition_penalty=1.2),
+        SamplingParams(max_new_tokens=20, temperature=0.8, presence_penalty=0.5),
     ):
         scheduler, _ = drafting(params=params)
         assert scheduler.next_flight().items[0].draft == (), params

@@ -64,6 +64,16 @@ def test_stop_token_contributes_no_text_and_eos_can_be_ignored():
     assert seq.finish_reason is FinishReason.LENGTH and len(seq.output_ids) == 4
 
 
+def test_stop_regex_ends_the_output_with_its_match_kept_and_waits_for_min_tokens():
+    seq = make(SamplingParams(max_new_tokens=50, stop=["END"], stop_regex=[r"[0-9]{2}"]))
+    deltas = feed(seq, "ab1c23de")
+    assert (seq.text, seq.finish_reason, seq.matched_stop) == ("ab1c23", FinishReason.STOP, r"[0-9]{2}")
+    assert "".join(deltas) == "ab1c23"  # held text (a possible "END") released with the match
+    seq = make(SamplingParams(max_new_tokens=50, min_new_tokens=5, stop_regex=["x"]))
+    feed(seq, "axbcdxyz")
+    assert (seq.text, seq.finish_reason) == ("axbcd", FinishReason.STOP)  # a match counts from the 5th token on
+
+
 def test_token_slice_equals_slicing_all_tokens():
     rng = random.Random(3)
     seq = make(SamplingParams())
@@ -90,4 +100,5 @@ def test_greedy_sampling_picks_the_first_maximum_and_survives_nan_rows():
     picked = [token for token, _ in sample(logits, [make(greedy) for _ in range(3)], [3, 3, 3])]
     assert picked == logits.argmax(-1).tolist() and picked[1] == 10
     logits[2] = float("nan")  # no kernel pick for a NaN row: torch's argmax decides the whole batch
-    assert [token for token, _ in sample(logits, [make(greedy) for _ in range(3)], [3, 3, 3])] == logits.argmax(-1).tolist()
+    picked = [token for token, _ in sample(logits, [make(greedy) for _ in range(3)], [3, 3, 3])]
+    assert picked == logits.argmax(-1).tolist()
