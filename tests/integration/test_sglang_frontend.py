@@ -76,6 +76,15 @@ for method in METHODS:
     state = pick.run(method=method)
     meta = state.get_meta_info("city")
     out[method] = {"decision": state["city"], "meta": meta}
+
+
+@sgl.function
+def healed(s):
+    s += "The capital of France is " + sgl.select("city", choices=["Paris", "London"])
+
+
+state = healed.run()
+out["healed"] = {"decision": state["city"], "meta": state.get_meta_info("city")}
 questions = ["Who wrote Hamlet?", "What is 2 + 2?", "Where is Peru?", "What is a prime number?"]
 batch = react.run_batch([{"question": q} for q in questions])
 alone = [react.run(question=q) for q in questions]
@@ -165,6 +174,18 @@ def test_select_picks_what_the_models_own_logprobs_pick_by_every_method(frontend
                 assert served[0][0] is None
                 assert [lp for lp, _, _ in served[1:]] == pytest.approx([lp for lp, _, _ in reference[1:]], abs=1e-4)
     assert frontend["token_length_normalized"]["decision"] == " Paris"
+
+
+def test_select_heals_a_prefix_that_ends_inside_a_token(frontend, tokenizer):
+    """The prefix's trailing space and the choice make one token: the frontend keeps that token's entry."""
+    prefix = "The capital of France is "
+    healed = frontend["healed"]
+    for choice, entries in zip(["Paris", "London"], healed["meta"]["input_token_logprobs"], strict=True):
+        ids = tokenizer.encode(prefix + choice)
+        assert ids[: len(tokenizer.encode(prefix)) - 1] == tokenizer.encode(prefix)[:-1]  # the space was merged
+        assert [t for _, t, _ in entries] == ids[len(tokenizer.encode(prefix)) - 1 :]
+        assert entries[0][2].strip() == choice  # the healed token: " Paris", not the prefix's own
+    assert healed["decision"] == "Paris"
 
 
 def test_select_inside_run_batch_equals_sequential_runs(frontend):
