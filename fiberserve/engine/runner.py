@@ -132,6 +132,11 @@ class Flight:
     halted: bool = False
     #: Set by the host once the flight has landed or failed; a step handed over after that is dropped.
     landed: bool = False
+    #: Set by the scheduler as it boards: whether its decodes may draft (``speculation.py``), and when.
+    may_draft: bool = False
+    boarded: float = 0.0
+    #: Tokens its steps kept so far (counted by the scheduler as they land).
+    tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -28,7 +28,9 @@ Policy, in the order :meth:`Scheduler.next_flight` applies it:
    (never by preempting).  Draft tokens are taken while they raise the
    flight's expected tokens per second: each sequence's draft tokens come
    true at the rate its earlier drafts did, and a pass's time by rows is
-   learnt from the passes run (``pass_times.py``).  This is decided before
+   learnt from the passes run (``pass_times.py``); and only in flights of
+   a size where drafting was measured to land more tokens per second than
+   not drafting (``speculation.py``).  This is decided before
    policy 4: a flight with a draft runs one step, and a multi-step flight is
    halted once the same rule would draft for its next step.
 
@@ -40,14 +42,13 @@ never freed: an abort only flags it, and it is finished when its flight lands.
 from __future__ import annotations
 
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable
 
-from fiberserve.engine.drafting import PromptLookup
 from fiberserve.engine.kvcache import PagePool
-from fiberserve.engine.pass_times import PassTimes
 from fiberserve.engine.runner import Flight, FlightItem, FlightResult
 from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent, Status, append_token
+from fiberserve.engine.speculation import Speculation
 
 #: Multi-step flights carry at most this many sequences.  Their steps land on the event loop while the next
 #: computes, so on a CPU whose cores all run the fiber's threads the loop's work competes with them: measured on
@@ -68,12 +69,7 @@ class Scheduler:
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         self.decode_steps = decode_steps
-        self.speculative_tokens = speculative_tokens
-        self.draft_tokens = 0  #: draft tokens computed
-        self.accepted_tokens = 0  #: of them, kept
-        #: What a forward pass costs by rows, per number of sequences in it (their attention differs), learnt
-        #: from the passes that landed.
-        self.pass_times: defaultdict[int, PassTimes] = defaultdict(PassTimes)
+        self.speculation = Speculation(speculative_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.multi_step_flights: list[Flight] = []  #: in the air
@@ -118,8 +114,10 @@ class Scheduler:
             budget -= self._board(seq, budget, items, may_preempt=False)
         if not items:
             return None
-        drafted = self._draft(items, budget)
-        flight = Flight(items, steps=1 if drafted else self._decode_steps(items))
+        flight = Flight(items)
+        self.speculation.board(flight)
+        if not (flight.may_draft and self._draft(items, budget)):
+            flight.steps = self._decode_steps(items)
         if flight.steps > 1:
             self.multi_step_flights.append(flight)
         return flight
@@ -140,7 +138,7 @@ class Scheduler:
 
     def _draft(self, items: list[FlightItem], budget: int) -> bool:
         """Give the flight's free decodes their drafts (policy 5); reserves their pages.  True if any got one."""
-        drafts = self._drafts(items, budget)
+        drafts = self.speculation.drafts(items, budget)
         for item, draft in zip(items, drafts, strict=True):
             seq = item.seq
             if draft and not self._reserve(seq, item.start + 1 + len(draft), items, may_preempt=False):
@@ -148,46 +146,6 @@ class Scheduler:
             if draft:
                 item.draft, item.length, item.pages = tuple(draft), 1 + len(draft), tuple(seq.pages)
         return any(item.draft for item in items)
-
-    def _drafts(self, items: list[FlightItem], budget: int) -> list[list[int]]:
-        """Each item's draft, cut where one more draft token would lower the flight's expected tokens per second.
-
-        The i-th token of a draft is kept with chance ``acceptance ** i`` (``PromptLookup.acceptance``), and a pass
-        of r rows over these sequences takes ``pass_times[len(items)].estimate(r)``.  Draft tokens are taken
-        likeliest first while they fit the budget, and the flight keeps the count with the highest (sampled tokens
-        + expected kept) / time."""
-        # No cap on the flight's size (there was one, 4 sequences, vLLM's ``disable_by_batch_size``): a pass's
-        # cost per row is learnt for each number of sequences, so where extra rows cost compute, drafts are cut
-        # by this rule itself, and where they come nearly free (AMX products at 64 sequences) they pay.
-        if not self.speculative_tokens:
-            return [[] for _ in items]
-        proposals = []
-        for item in items:
-            seq = item.seq
-            room = min(self.speculative_tokens, seq.max_tokens - len(seq.output_ids) - 1)
-            proposals.append(self._propose(seq, room) if item.decodes_freely else [])
-        candidates = sorted(
-            (-(item.seq.drafter.acceptance ** (i + 1)), i, index)
-            for index, (item, draft) in enumerate(zip(items, proposals, strict=True))
-            for i in range(len(draft))
-        )[: max(0, budget)]
-        rows, times = sum(item.length for item in items), self.pass_times[len(items)]
-        tokens = sum(1 for item in items if item.samples)
-        best_rate, best_count, expected = tokens / times.estimate(rows), 0, float(tokens)
-        for count, (minus_chance, _, _) in enumerate(candidates, start=1):
-            expected -= minus_chance
-            rate = expected / times.estimate(rows + count)
-            if rate > best_rate:
-                best_rate, best_count = rate, count
-        lengths = [0] * len(items)
-        for _, _, index in candidates[:best_count]:
-            lengths[index] += 1
-        return [draft[:length] for draft, length in zip(proposals, lengths, strict=True)]
-
-    def _propose(self, seq: Sequence, k: int) -> list[int]:
-        """``seq``'s draft of up to ``k`` tokens (its lookup index is made on first use; only this loop uses it)."""
-        seq.drafter = seq.drafter or PromptLookup(self.speculative_tokens)
-        return seq.drafter.propose(seq, k)
 
     def _admit(self, seq: Sequence) -> bool:
         # A prompt being scored is computed whole: cached pages would skip the rows that score it.
@@ -252,13 +210,13 @@ class Scheduler:
         flight is halted after its current step, so that the next flight carries the draft (policy 5)."""
         if flight.landed:  # the flight failed meanwhile (a timeout) and its sequences are finished
             return
-        self._record(result)
-        if self.speculative_tokens > 0 and not flight.halted:
+        flight.tokens += self._record(result)
+        if flight.may_draft and not flight.halted:
             following = [item.next_step(0) for item in flight.items if item.seq.finishing is None]
-            flight.halted = any(self._drafts(following, self.max_batch_tokens))
+            flight.halted = any(self.speculation.drafts(following, self.max_batch_tokens))
 
     def on_flight_done(self, flight: Flight, result: FlightResult) -> None:
-        self._record(result)
+        flight.tokens += self._record(result)
         self._land(flight)
         for item in flight.items:
             seq = item.seq
@@ -268,13 +226,14 @@ class Scheduler:
                 self.finish(seq, FinishReason.ABORT)
             elif seq.max_tokens <= 0 and seq.num_computed == seq.num_tokens:  # a prompt scored, nothing to add
                 self.finish(seq, FinishReason.LENGTH)
+        self.speculation.observe_flight(flight, flight.tokens, work_remains=bool(self.running or self.waiting))
 
-    def _record(self, result: FlightResult) -> None:
+    def _record(self, result: FlightResult) -> int:
         """What a landing step tells its sequences: computed tokens (pages filled go to the prefix cache),
         prompt logprobs, and the sampled tokens, streamed; a sequence that ends keeps its final event in
-        ``finishing``, and the later steps of its flight are dropped."""
-        if result.seconds:
-            self.pass_times[len(result.items)].observe(sum(item.length for item in result.items), result.seconds)
+        ``finishing``, and the later steps of its flight are dropped.  Returns how many tokens it kept."""
+        self.speculation.observe_step(result)
+        total = 0
         for item, picks, scored in zip(result.items, result.tokens, result.prompt_logprobs, strict=True):
             seq = item.seq
             if seq.finishing is not None or seq.finished:
@@ -290,14 +249,13 @@ class Scheduler:
                     seq.finishing = event
                     break
                 seq.events.put_nowait(event)
-            if item.draft:
-                self.draft_tokens += len(item.draft)
-                self.accepted_tokens += len(picks) - 1
+            total += kept
             seq.num_computed = item.computed_after(kept)
             if seq.num_computed // self.pages.page_size > seq.registered_pages:  # a page just filled up
                 seq.registered_pages = self.pages.register(
                     seq.pages, seq.tokens[: seq.num_computed], seq.registered_pages
                 )
+        return total
 
     def _land(self, flight: Flight) -> None:
         flight.landed = flight.halted = True  # halted: a worker still running a failed flight stops after this step

@@ -81,10 +81,14 @@ class _EngineCollector:
             pages.hits / pages.queries if pages.queries else 0.0,
         )
         yield CounterMetricFamily(
-            "fiberserve_spec_decode_draft_tokens", "Draft tokens computed (speculative decoding)", sched.draft_tokens
+            "fiberserve_spec_decode_draft_tokens",
+            "Draft tokens computed (speculative decoding)",
+            sched.speculation.draft_tokens,
         )
         yield CounterMetricFamily(
-            "fiberserve_spec_decode_accepted_tokens", "Draft tokens kept (speculative decoding)", sched.accepted_tokens
+            "fiberserve_spec_decode_accepted_tokens",
+            "Draft tokens kept (speculative decoding)",
+            sched.speculation.accepted_tokens,
         )
         if service.pool is not None:
             s = service.pool.stats()

@@ -73,8 +73,9 @@ async def server_info(request: Request) -> dict:
         "decode_steps": cfg.decode_steps,
         "speculative_tokens": cfg.speculative_tokens,
         "spec_decode": {
-            "draft_tokens": service.scheduler.draft_tokens,
-            "accepted_tokens": service.scheduler.accepted_tokens,
+            "draft_tokens": service.scheduler.speculation.draft_tokens,
+            "accepted_tokens": service.scheduler.speculation.accepted_tokens,
+            "measured": service.scheduler.speculation.switch.describe(),
         },
         "max_queue": cfg.max_queue,
         "context_length": service.max_context,

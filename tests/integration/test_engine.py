@@ -438,7 +438,7 @@ async def test_speculative_decoding_gives_the_tokens_text_logprobs_and_events_of
     )
     plain, drafted = [[([summary(o) for o in outs], ev) for outs, ev in runs] for runs in (plain, drafted)]
     assert plain[0] == plain[1] == drafted[0] == drafted[1]
-    accepted = scheduler.accepted_tokens
+    accepted = scheduler.speculation.accepted_tokens
     outputs, events = drafted[0]
     events = [seq_events for [seq_events] in events]
     assert outputs[0][0][2:4] == ("stop", " 12") and outputs[1][0][3] == 2 and outputs[3][0][2] == "length"
@@ -448,4 +448,4 @@ async def test_speculative_decoding_gives_the_tokens_text_logprobs_and_events_of
         assert "".join(e.delta for e in seq_events) == completion[0][1]
     assert accepted > 60 and drafted_flights < plain_flights - 60, (accepted, drafted_flights, plain_flights)
     _, _, sampled_only = await _serve_cases(engine, cases[-1:], decode_steps=1, speculative_tokens=4)
-    assert sampled_only.accepted_tokens > 10  # the sampled repeating text drafted, and its drafts were kept
+    assert sampled_only.speculation.accepted_tokens > 10  # the sampled repeating text drafted, and its drafts were kept

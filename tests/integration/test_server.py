@@ -391,9 +391,11 @@ def test_drafted_tokens_stream_one_by_one_and_are_counted(server):
     pair = client.completions.create(temperature=0, n=2, **ask).choices
     assert "".join(chunks) == whole == pair[0].text == pair[1].text and len(chunks) >= 30
     after = server.server_info()["spec_decode"]
+    # (the engine measures plain flights too before it settles on drafting: see engine/speculation.py)
     assert (
-        after["accepted_tokens"] - before["accepted_tokens"] > 60 and after["draft_tokens"] >= after["accepted_tokens"]
+        after["accepted_tokens"] - before["accepted_tokens"] > 20 and after["draft_tokens"] >= after["accepted_tokens"]
     )
+    assert after["measured"]["up to 1 sequences"]["drafting_flights"] > 0
     metrics = {
         s.name: s.value
         for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)

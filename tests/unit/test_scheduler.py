@@ -7,6 +7,7 @@ from fiberserve.engine.runner import FlightResult
 from fiberserve.engine.sampling_params import SamplingParams
 from fiberserve.engine.scheduler import MULTI_STEP_MAX_SEQUENCES, Scheduler
 from fiberserve.engine.sequence import Sequence, Status
+from fiberserve.engine.speculation import EXPLORE_EVERY, MIN_FLIGHTS, DraftSwitch
 from fiberserve.model.tokenizer import IncrementalDetokenizer
 
 EOS = 3
@@ -113,9 +114,16 @@ def test_steps_land_in_order_a_new_arrival_halts_the_flight_and_a_stop_waits_for
 # ---------------------------------------------------------------- speculative decoding (policy 5)
 
 
-def drafting(prompt: str = "abcabc", params: SamplingParams = GREEDY, pages: int = 64, budget: int = 64, **kw):
-    """A scheduler drafting up to 4 tokens, and a sequence of ``prompt`` whose prefill landed with "a"."""
-    scheduler = Scheduler(PagePool(pages, page_size=4), 16, budget, decode_steps=8, speculative_tokens=4, **kw)
+def drafting_scheduler(pages: int = 64, budget: int = 64) -> Scheduler:
+    """A scheduler drafting up to 4 tokens by the goodput rule alone (``DraftSwitch`` is tested below)."""
+    scheduler = Scheduler(PagePool(pages, page_size=4), 16, budget, decode_steps=8, speculative_tokens=4)
+    scheduler.speculation.switch = DraftSwitch(fixed=True)
+    return scheduler
+
+
+def drafting(prompt: str = "abcabc", params: SamplingParams = GREEDY, pages: int = 64, budget: int = 64):
+    """A drafting scheduler, and a sequence of ``prompt`` whose prefill landed with "a"."""
+    scheduler = drafting_scheduler(pages, budget)
     seq = sequence(params, prompt)
     scheduler.add(seq)
     land(scheduler, scheduler.next_flight(), [ord("a")])
@@ -135,7 +143,7 @@ def test_a_greedy_decode_carries_a_draft_and_keeps_what_the_model_agrees_with():
     scheduler.on_flight_done(flight, FlightResult([kept], [[]], flight.items))
     assert seq.output_ids == [ord(c) for c in "abcx"] and seq.text == "abcx"
     assert seq.num_computed == seq.num_tokens - 1  # the K/V of "x"'s row were computed from a rejected draft
-    assert (scheduler.draft_tokens, scheduler.accepted_tokens) == (4, 2)
+    assert (scheduler.speculation.draft_tokens, scheduler.speculation.accepted_tokens) == (4, 2)
     scheduler.check_integrity()
 
 
@@ -144,7 +152,7 @@ def test_draft_tokens_are_taken_while_they_raise_the_expected_tokens_per_second(
     # a pass costs 10 ms, and 5 ms more per row: a draft token pays while its chance of being kept raises the
     # flight's expected tokens per second
     for rows in (1, 40):
-        scheduler.pass_times[1].observe(rows, 0.010 + 0.005 * rows)
+        scheduler.speculation.pass_times[1].observe(rows, 0.010 + 0.005 * rows)
     flight = scheduler.next_flight()
     assert seq.drafter.acceptance == 0.5  # nothing checked yet: an even guess
     assert flight.items[0].draft == (ord("b"),)  # (1 + .5) / 20 ms beats 1 / 15 ms and (1 + .5 + .25) / 25 ms
@@ -156,11 +164,14 @@ def test_draft_tokens_are_taken_while_they_raise_the_expected_tokens_per_second(
     assert len(scheduler.next_flight().items[0].draft) == 4  # speculative_tokens
     # the passes that land teach the scheduler their time: rows now look free up to 64 (flat beyond what it saw)
     scheduler, seq = drafting(prompt="abcabcabcabc", params=SamplingParams(max_new_tokens=40, temperature=0))
-    scheduler.pass_times[1].observe(1, 0.015)
+    scheduler.speculation.pass_times[1].observe(1, 0.015)
     flight = scheduler.next_flight()
     assert len(flight.items[0].draft) == 4
     scheduler.on_flight_done(flight, FlightResult([[(ord("b"), None)]], [[]], flight.items, seconds=0.035))
-    assert scheduler.pass_times[1].estimate(5) == 0.035 and scheduler.pass_times[1].estimate(3) == 0.025
+    assert (
+        scheduler.speculation.pass_times[1].estimate(5) == 0.035
+        and scheduler.speculation.pass_times[1].estimate(3) == 0.025
+    )
     scheduler.check_integrity()
 
 
@@ -205,16 +216,16 @@ def test_big_flights_draft_where_their_rows_are_cheap_and_not_where_they_cost_co
     """No cap on the flight's size: the pass times learnt for 6 sequences decide.  Weight-bound passes (each row
     0.1 ms on 10 ms) take drafts; compute-bound ones (each row costs its share, 2 ms) take none at 1/2."""
     for per_row, drafted in ((0.0001, True), (0.002, False)):
-        scheduler = Scheduler(PagePool(64, page_size=4), 16, 64, decode_steps=8, speculative_tokens=4)
+        scheduler = drafting_scheduler()
         decoding(scheduler, *(sequence(prompt="ab!ab") for _ in range(6)))
         for rows in (6, 12, 18, 24):
-            scheduler.pass_times[6].observe(rows, 0.010 + per_row * rows)
+            scheduler.speculation.pass_times[6].observe(rows, 0.010 + per_row * rows)
         items = scheduler.next_flight().items
         assert len(items) == 6 and all(bool(item.draft) == drafted for item in items), per_row
 
 
 def test_a_multi_step_flight_halts_once_a_sequence_has_a_draft():
-    scheduler = Scheduler(PagePool(64, page_size=4), 16, 64, decode_steps=8, speculative_tokens=4)
+    scheduler = drafting_scheduler()
     seq = sequence(prompt="abcd")
     decoding(scheduler, seq)  # "abcd!": nothing to draft, so the flight may run 8 steps
     flight = scheduler.next_flight()
@@ -230,4 +241,41 @@ def test_a_multi_step_flight_halts_once_a_sequence_has_a_draft():
     scheduler.on_flight_done(flight, result([items[0].next_step(ord("b"))], ord("c")))
     follow = scheduler.next_flight()
     assert follow.steps == 1 and follow.items[0].draft == tuple(map(ord, "d!xa"))
+    scheduler.check_integrity()
+
+
+def test_the_switch_measures_both_ways_then_keeps_the_faster_and_still_tries_the_other():
+    switch = DraftSwitch()
+    ways = []
+    for _ in range(2 * MIN_FLIGHTS):  # alternating until each way has its flights
+        allowed = switch.allows(1)
+        ways.append(allowed)
+        switch.observe(1, allowed, tokens=10 if allowed else 12, seconds=1.0)  # drafting lands fewer tokens
+    assert ways.count(True) == ways.count(False) == MIN_FLIGHTS
+    later = [switch.allows(1) for _ in range(4 * EXPLORE_EVERY)]
+    assert later.count(True) == 4  # the slower way, once every EXPLORE_EVERY decisions
+    assert switch.allows(64)  # another size class learns on its own, starting with drafting
+
+
+def test_drafting_switches_itself_off_where_drafted_flights_land_fewer_tokens_per_second():
+    """Flights of 1 sequence, landed: drafted ones at 1 token per 20 ms, plain multi-step ones at 8 per 80 ms."""
+    scheduler = Scheduler(PagePool(512, page_size=4), 16, 64, decode_steps=8, speculative_tokens=4)
+    seq = sequence(prompt="abcabc", params=SamplingParams(max_new_tokens=900, temperature=0, ignore_eos=True))
+    decoding(scheduler, seq)
+    drafted = []
+    for _ in range(2 * MIN_FLIGHTS + 3 * EXPLORE_EVERY):
+        flight = scheduler.next_flight()
+        [item] = flight.items
+        drafted.append(bool(item.draft))
+        steps = 1 if item.draft else flight.steps
+        flight.boarded -= 0.020 if item.draft else 0.010 * steps  # what the flight took, as if measured
+        items = [item]
+        for _ in range(steps - 1):
+            scheduler.on_step(flight, result(items, ord("a")))
+            items = [items[0].next_step(ord("a"))]
+        scheduler.on_flight_done(flight, result(items, ord("a")))  # the draft's first token is not kept
+    rates = scheduler.speculation.switch.rates
+    assert rates[1, True].flights > MIN_FLIGHTS and rates[1, False].flights > MIN_FLIGHTS  # both ways measured
+    assert rates[1, True].per_second < rates[1, False].per_second
+    assert sum(drafted[2 * MIN_FLIGHTS :]) <= 3  # then drafting only to check now and then
     scheduler.check_integrity()
