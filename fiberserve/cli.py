@@ -24,8 +24,9 @@ HELP = {
     "device": "cpu, cuda or cuda:N",
     "dtype": "float32, bfloat16, or auto (bfloat16 where the hardware computes it natively)",
     "quantization": (
-        "none, or int4: llama.cpp's arithmetic on CPU (Q4_1 decoder weights, Q8_0 output head, int8 "
-        "activations per block of 32)"
+        "auto, none, or int4: llama.cpp's arithmetic on CPU (Q4_1 decoder weights, Q8_0 output head, int8 "
+        "activations per block of 32); auto is int4 for a Q4_1 GGUF (its own blocks) on a CPU without AMX "
+        "tiles, where int4 is the faster mode, else none"
     ),
     "fibers": "fibers in the pool = model invocations (flights) that may run at once",
     "threads_per_fiber": "torch threads per fiber (default: CPU cores / fibers)",
@@ -71,7 +72,7 @@ HELP = {
 
 CHOICES = {
     "dtype": ["auto", "float32", "bfloat16"],
-    "quantization": ["none", "int4"],
+    "quantization": ["auto", "none", "int4"],
     "isolation": ["per_fiber", "per_call", "none"],
     "log_level": ["debug", "info", "warning", "error"],
     "tool_call_parser": list(TOOL_CALL_PARSERS),

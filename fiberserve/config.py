@@ -26,9 +26,10 @@ class EngineConfig:
     device: str = "cpu"
     #: "float32", "bfloat16" or "auto" (bfloat16 where the CPU/GPU computes it natively).
     dtype: str = "auto"
-    #: "none", or "int4": llama.cpp's arithmetic on CPU, Q4_1 decoder weights and a Q8_0 output head times
-    #: int8 activations (AVX512-VNNI; faster than bf16 at every batch size), else weight-only int4.
-    quantization: str = "none"
+    #: "none"; "int4": llama.cpp's arithmetic on CPU, Q4_1 decoder weights and a Q8_0 output head times int8
+    #: activations; or "auto": int4 for a Q4_1 GGUF on a CPU without AMX tiles, else none
+    #: (``service.resolve_quantization``).
+    quantization: str = "auto"
     #: Fibers in the pool: flights that may run at once.
     fibers: int = 1
     #: Torch threads each fiber's worker uses (None: the machine's cores divided among the fibers).

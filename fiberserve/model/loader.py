@@ -26,6 +26,8 @@ class Checkpoint:
     weights: dict[str, torch.Tensor]
     #: Llama 3 style per-frequency divisors stored by GGUF files (``rope_freqs.weight``).
     rope_freq_factors: torch.Tensor | None = None
+    #: The GGUF block types of the decoder layers' matrices, e.g. {"Q4_1"} (empty for a Hugging Face directory).
+    decoder_weight_types: frozenset[str] = frozenset()
 
 
 def load_checkpoint(path: str | Path, progress: bool = True) -> Checkpoint:
@@ -73,6 +75,7 @@ def load_gguf(path: Path, progress: bool = True) -> Checkpoint:
     permuted = config.architecture == "llama"
     weights: dict[str, torch.Tensor] = {}
     freq_factors = None
+    types = set()
     for tensor in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress):
         array = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         if not array.flags.writeable:  # the file's own float32 data, mapped read-only: copied
@@ -88,12 +91,14 @@ def load_gguf(path: Path, progress: bool = True) -> Checkpoint:
                 raise UnsupportedModelError(f"{path.name}: unexpected tensor {tensor.name!r}")
             layer, part, kind = match.groups()
             name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+            if kind == "weight" and not part.endswith("norm"):
+                types.add(tensor.tensor_type.name)
             if permuted and part == "attn_q":
                 value = _unpermute(value, config.num_heads)
             elif permuted and part == "attn_k":
                 value = _unpermute(value, config.num_kv_heads)
         weights[name] = value
-    return Checkpoint(config, weights, freq_factors)
+    return Checkpoint(config, weights, freq_factors, frozenset(types))
 
 
 # ---------------------------------------------------------------- Hugging Face directory

@@ -64,6 +64,7 @@ async def server_info(request: Request) -> dict:
         "served_model_name": state.model_name,
         "device": cfg.device,
         "dtype": str(service.model.dtype).removeprefix("torch."),
+        "quantization": service.model.quantization,
         "fibers": cfg.fibers,
         "isolation": cfg.isolation,
         "page_size": cfg.page_size,

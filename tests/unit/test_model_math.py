@@ -301,3 +301,25 @@ def test_greedy_gives_the_argmax_of_forward(tiny_dirs, quantization):
     tokens = model.greedy(batch, KVCache(model.config, 16, PAGE, torch.bfloat16, "cpu"))
     assert len(tokens) == logits.shape[0] == len(TOKENS) * 2 + 7
     assert tokens == kernels.top_k_rows(logits, 1)[1][:, 0].tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("qtype", [None, "Q4_1", "Q4_0", "Q8_0"])
+def test_default_quantization_is_the_files_own_where_int4_is_faster(tmp_path, tiny_dirs, qtype):
+    """``--quantization auto``: int4 only for a GGUF whose decoder matrices are Q4_1 (int4's own blocks, so the
+    file's weights exactly), and only on a CPU whose bf16 products do not run on AMX tiles; else none."""
+    import gguf
+
+    from fiberserve.engine.service import resolve_quantization
+    from fiberserve.model import kernels
+
+    cfg = {**TINY, "hidden_size": 64, "intermediate_size": 256}
+    kind = None if qtype is None else gguf.GGMLQuantizationType[qtype]
+    ck = load_checkpoint(write_gguf(tmp_path / "q.gguf", cfg, random_weights(cfg, seed=5), qtype=kind), progress=False)
+    assert ck.decoder_weight_types == {qtype or "F32"}
+    kernels.load()
+    int4_faster = "none" if kernels.bf16_amx() else "int4"
+    assert resolve_quantization("auto", ck, "cpu") == (int4_faster if qtype == "Q4_1" else "none")
+    assert resolve_quantization("auto", ck, "cuda") == "none"
+    assert resolve_quantization("none", ck, "cpu") == "none" and resolve_quantization("int4", ck, "cpu") == "int4"
+    hf = load_checkpoint(tiny_dirs["hf"], progress=False)
+    assert hf.decoder_weight_types == frozenset() and resolve_quantization("auto", hf, "cpu") == "none"
