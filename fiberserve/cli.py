@@ -30,6 +30,10 @@ HELP = {
     ),
     "fibers": "fibers in the pool = model invocations (flights) that may run at once",
     "threads_per_fiber": "torch threads per fiber (default: CPU cores / fibers)",
+    "fit_free_cores": (
+        "narrow each fiber's thread team to the cores other processes leave free (a busy neighbour or a second "
+        "replica), and widen it back as they free them"
+    ),
     "isolation": "program isolation: per_fiber (one instance per fiber), per_call, or none",
     "page_size": "tokens per KV cache page",
     "kv_cache_mb": "KV cache size in MiB",

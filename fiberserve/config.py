@@ -34,6 +34,9 @@ class EngineConfig:
     fibers: int = 1
     #: Torch threads each fiber's worker uses (None: the machine's cores divided among the fibers).
     threads_per_fiber: int | None = None
+    #: Narrow each fiber's thread team to the cores other processes leave free (``runtime/cpu_share.py``), and
+    #: widen it back as they free them.
+    fit_free_cores: bool = True
     isolation: str = "per_fiber"
     page_size: int = 16
     kv_cache_mb: float = 256.0

@@ -170,11 +170,22 @@ class FlightResult:
 class ModelRunner:
     """The per-fiber program instance: ``runner(flight) -> FlightResult``."""
 
-    def __init__(self, model: LlamaModel, cache: KVCache, threads: int | None, faults: FaultInjector) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: KVCache,
+        threads: int | None,
+        faults: FaultInjector,
+        free_cores: Callable[[], int] | None = None,
+    ) -> None:
+        """``threads``: this fiber's thread team; ``free_cores``, if given, narrows it before each flight to the
+        cores other processes leave free (``runtime/cpu_share.py``)."""
         self.model = model
         self.cache = cache
         self.page_size = cache.page_size
         self.faults = faults
+        self.free_cores = free_cores
+        self.threads = threads
         if threads:
             torch.set_num_threads(threads)  # per calling thread: this fiber's worker
 
@@ -212,6 +223,9 @@ class ModelRunner:
         A step is handed to ``flight.on_step`` once the next one's decoder layers start, not as soon as it is
         done: the event loop's thread, woken by it, then finds the GIL free (handed over at once, it took the
         GIL from this thread's Python between the steps for 0.1-0.4 ms a step)."""
+        if self.free_cores is not None and (threads := self.free_cores()) != self.threads:
+            torch.set_num_threads(threads)  # the kernels' rows do not depend on the team's size
+            self.threads = threads
         items, publish = flight.items, None
         for _ in range(flight.steps - 1):
             result = self.step(items, publish)

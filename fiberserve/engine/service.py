@@ -42,6 +42,7 @@ from fiberserve.model.loader import Checkpoint, load_checkpoint
 from fiberserve.model.tokenizer import Tokenizer, load_tokenizer
 from fiberserve.runtime import FiberPool, Isolation, Program
 from fiberserve.runtime.allocator import keep_freed_buffers
+from fiberserve.runtime.cpu_share import FreeCores
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +183,9 @@ class LlmService:
         self.faults = FaultInjector(config.fault_rate)
         threads = config.threads_per_fiber or max(1, (os.cpu_count() or 1) // config.fibers)
         self.program = Program(
-            lambda fiber: ModelRunner(self.model, self.kv_cache, threads, self.faults),
+            lambda fiber: ModelRunner(
+                self.model, self.kv_cache, threads, self.faults, FreeCores(threads) if config.fit_free_cores else None
+            ),
             Isolation(config.isolation),
             name="llama-forward",
         )
