@@ -99,7 +99,16 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.preemptions = 0
-        self.events: asyncio.Queue[SequenceEvent] = asyncio.Queue()
+        #: Where the scheduler puts this sequence's events (``put_nowait``): its own queue, read with
+        #: ``LlmService.events``, or a consumer's shared one (:meth:`forward_events`).
+        self.events: asyncio.Queue[SequenceEvent] | EventForwarder = asyncio.Queue()
+
+    def forward_events(self, sink: asyncio.Queue[tuple[Sequence, SequenceEvent]]) -> None:
+        """Send this sequence's events, those queued and those to come, to ``sink`` as (sequence, event) pairs:
+        one queue for every sequence a consumer reads, and no task per sequence."""
+        queued, self.events = self.events, EventForwarder(self, sink)
+        while isinstance(queued, asyncio.Queue) and not queued.empty():
+            sink.put_nowait((self, queued.get_nowait()))
 
     def share_prompt_scores(self, scorer: Sequence) -> None:
         """Take ``scorer``'s prompt logprobs (the same list, filled as it computes them) instead of computing
@@ -131,6 +140,16 @@ class Sequence:
             f"Sequence({self.request_id}#{self.index}, {self.status.value}, "
             f"{self.num_computed}/{self.num_tokens} computed, pages={len(self.pages)})"
         )
+
+
+class EventForwarder:
+    """Stands in for a sequence's event queue: each event goes to a shared queue, tagged with its sequence."""
+
+    def __init__(self, seq: Sequence, sink: asyncio.Queue[tuple[Sequence, SequenceEvent]]) -> None:
+        self.seq, self.sink = seq, sink
+
+    def put_nowait(self, event: SequenceEvent) -> None:
+        self.sink.put_nowait((self.seq, event))
 
 
 def _release_text(seq: Sequence, piece: str, final: bool) -> str:

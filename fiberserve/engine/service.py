@@ -330,8 +330,10 @@ class LlmService:
     @staticmethod
     async def events(seq: Sequence) -> AsyncIterator[SequenceEvent]:
         """The sequence's events up to and including the finished one."""
+        queue = seq.events
+        assert isinstance(queue, asyncio.Queue), "the sequence's events go to a merged consumer"
         while True:
-            event = await seq.events.get()
+            event = await queue.get()
             yield event
             if event.finished:
                 return

@@ -263,15 +263,20 @@ async def _stream(
     for i, r in enumerate(requests):
         for s in r.seqs:
             index_of[s.uid] = (r, i * n + s.index)
-    async for seq, event in state.merged_events(requests, http):
-        req, index = index_of[seq.uid]
-        if event.finished and seq.finish_reason.value == "error":
-            yield f"data: {json.dumps(error_body(f'request {req.id} failed: {seq.error}', 'server_error'))}\n\n"
-            continue
-        if not event.delta and not event.finished:
-            continue
-        payload = _result(req, completion_of(seq), logprob, started)
-        if many:
-            payload["index"] = index
-        yield f"data: {json.dumps(payload)}\n\n"
+    async for batch in state.merged_events(requests, http):
+        events = []  # every event of the batch in one write
+        for seq, event in batch:
+            req, index = index_of[seq.uid]
+            if event.finished and seq.finish_reason.value == "error":
+                body = error_body(f"request {req.id} failed: {seq.error}", "server_error")
+                events.append(f"data: {json.dumps(body)}\n\n")
+                continue
+            if not event.delta and not event.finished:
+                continue
+            payload = _result(req, completion_of(seq), logprob, started)
+            if many:
+                payload["index"] = index
+            events.append(f"data: {json.dumps(payload)}\n\n")
+        if events:
+            yield "".join(events)
     yield "data: [DONE]\n\n"

@@ -172,30 +172,39 @@ class _Completions:
                 if (choice := self.delta_choice(i * n + c, prompt, None)) is not None:
                     yield self._chunk(state, requests, choice)
         sent = dict.fromkeys(prompt_index, 0)  # logprobs streamed so far, per sequence
-        async for seq, event in state.merged_events(requests, http):
-            if event.finished and seq.finish_reason.value == "error":
-                body = error_body(f"request {seq.request_id} failed: {seq.error}", "server_error")
-                yield f"data: {json.dumps(body)}\n\n"
-                continue
-            index = prompt_index[seq.uid] * n + seq.index
-            choice = self.delta_choice(index, event.delta, seq.finish_reason.value if event.finished else None)
-            if choice is None:
-                continue  # text held back (a stop string may be starting): its tokens' logprobs go with it later
-            if self.logprobs:
-                choice["logprobs"] = self.delta_logprobs(state, seq.logprobs[sent[seq.uid] :])
-                sent[seq.uid] = len(seq.logprobs)
-            yield self._chunk(state, requests, choice)
+        # Every chunk of a choice is the same object around its choice: encoded once, the choice each time.
+        head = json.dumps(self.body(state, requests, []) | {"object": self.chunk_object, "usage": None})
+        head, tail = head[: head.index('"choices": [') + len('"choices": [')], "]}\n\n"
+        async for batch in state.merged_events(requests, http):
+            events = []  # every event of the batch in one write
+            for seq, event in batch:
+                if event.finished and seq.finish_reason.value == "error":
+                    body = error_body(f"request {seq.request_id} failed: {seq.error}", "server_error")
+                    events.append(f"data: {json.dumps(body)}\n\n")
+                    continue
+                index = prompt_index[seq.uid] * n + seq.index
+                choice = self.delta_choice(index, event.delta, seq.finish_reason.value if event.finished else None)
+                if choice is None:
+                    continue  # text held back (a stop string may be starting): its tokens' logprobs come later
+                if self.logprobs:
+                    choice["logprobs"] = self.delta_logprobs(state, seq.logprobs[sent[seq.uid] :])
+                    sent[seq.uid] = len(seq.logprobs)
+                events.append(f"data: {head}{json.dumps(choice)}{tail}")
+            if events:
+                yield "".join(events)
         if include_usage:
-            yield self._chunk(state, requests, None)
+            yield self._usage_chunk(state, requests)
         yield "data: [DONE]\n\n"
 
-    def _chunk(self, state: ServerState, requests, choice: dict | None) -> str:
-        """One streamed event: a choice's delta, or (None) the usage alone."""
-        chunk = self.body(state, requests, [] if choice is None else [choice])
-        chunk["object"] = self.chunk_object
-        if choice is not None:
-            chunk.pop("usage")
+    def _chunk(self, state: ServerState, requests, choice: dict) -> str:
+        """One streamed event of a choice's delta."""
+        chunk = self.body(state, requests, [choice]) | {"object": self.chunk_object}
+        chunk.pop("usage")
         return f"data: {json.dumps(chunk)}\n\n"
+
+    def _usage_chunk(self, state: ServerState, requests) -> str:
+        """The last streamed event: the usage alone."""
+        return f"data: {json.dumps(self.body(state, requests, []) | {'object': self.chunk_object})}\n\n"
 
     chunk_object = "text_completion"
 
