@@ -11,6 +11,8 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import httpx
+
 from fiberserve.bench.loadgen import LoadResult, LoadSpec, median_run, plot, run_load, summarize
 from fiberserve.bench.peak import bound_tokens_per_s, linear_flops, measure_peaks
 from fiberserve.bench.report import render
@@ -24,8 +26,9 @@ ROUND_SEEDS = 1000
 #: Output tokens of the forced workload; the chat workload's limit (its answers end on their own before it), and
 #: its sampling temperature.
 FORCED_OUTPUT_LEN, CHAT_MAX_TOKENS, CHAT_TEMPERATURE = 64, 256, 0.7
-#: The fiberserve server with ``--quantization int4``: llama.cpp's arithmetic, the like-for-like llama-server peer.
-INT4_LABEL = "fiberserve int4"
+#: The fiberserve servers with ``--quantization int4`` (llama.cpp's arithmetic, the like-for-like llama-server peer)
+#: and ``none`` (bf16, vLLM's arithmetic).
+INT4_LABEL, BF16_LABEL = "fiberserve int4", "fiberserve bf16"
 
 
 def _levels(spec: LoadSpec, concurrency: list[int], rates: list[float], requests_per_client: int) -> list[LoadSpec]:
@@ -131,8 +134,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     )
     top = max(args.concurrency)
     flags = ["--max-running", str(top), *args.fiberserve_args]
-    servers = [  # bf16 computes what vLLM does; int4 what llama-server does (Q4_1 x Q8_1)
+    # The defaults, then each arithmetic by name (bf16 computes what vLLM does; int4 what llama-server does, Q4_1 x
+    # Q8_1); the one the defaults run is dropped once the first server says which it is.
+    servers = [
         P.fiberserve_server(args.port, args.model, flags),
+        P.fiberserve_server(args.port, args.model, [*flags, "--quantization", "none"], label=BF16_LABEL),
         P.fiberserve_server(args.port, args.model, [*flags, "--quantization", "int4"], label=INT4_LABEL),
     ]
     missing = []
@@ -147,12 +153,19 @@ def cmd_compare(args: argparse.Namespace) -> int:
     # Round after round, each server in turn: a slow spell of this VM lands on every server's figures
     # alike rather than on one server's, and each figure is the median round.
     rounds: dict[str, list[list[LoadResult]]] = {}
+    chat_rounds: dict[str, list[list[LoadResult]]] = {}
     streams: dict[str, list[LoadResult]] = {}
     for round_index in range(args.rounds):
         seed = round_index * ROUND_SEEDS
-        for server in servers:
+        for server in list(servers):
+            if server not in servers:  # the defaults' own arithmetic, dropped below
+                continue
             server.start(out_dir)
             try:
+                if server is servers[0] and round_index == 0:
+                    default_mode = httpx.get(server.url + "/get_server_info", timeout=10).json()["quantization"]
+                    duplicate = INT4_LABEL if default_mode == "int4" else BF16_LABEL
+                    servers = [s for s in servers if s.name != duplicate]
                 spec = replace(
                     base, url=server.url, model=server.model, fresh_connections=server.fresh_connections, seed=seed
                 )
@@ -165,9 +178,25 @@ def cmd_compare(args: argparse.Namespace) -> int:
                     spec, concurrency=16, stream=True, requests=16 * args.requests_per_client, seed=STREAM_SEED + seed
                 )
                 streams.setdefault(server.name, []).append(asyncio.run(run_load(stream)))
+                if args.chat:
+                    chat = workload_spec(
+                        "chat",
+                        url=server.url,
+                        model=server.model,
+                        requests=args.requests,
+                        duration_s=args.duration,
+                        fresh_connections=server.fresh_connections,
+                        seed=seed,
+                    )
+                    chat_rounds.setdefault(server.name, []).append(
+                        _run_levels(_levels(chat, args.concurrency, [], args.requests_per_client), f"{label}, chat")
+                    )
             finally:
                 server.stop()
     series = {name: [median_run(list(level)) for level in zip(*runs, strict=True)] for name, runs in rounds.items()}
+    chat_series = {
+        name: [median_run(list(level)) for level in zip(*runs, strict=True)] for name, runs in chat_rounds.items()
+    }
     streamed = {name: median_run(runs) for name, runs in streams.items()}
     ablation: dict[str, list[LoadResult]] = {}
     if args.ablation:
@@ -213,12 +242,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
         args.notes,
         per_round,
         plot=shown_plot,
+        chat=chat_series,
     )
     Path(args.output).write_text(text)
     (out_dir / "results.json").write_text(
         json.dumps(
             {
                 **{name: [asdict(r) for r in rs] for name, rs in series.items()},
+                **{f"chat {name}": [asdict(r) for r in rs] for name, rs in chat_series.items()},
                 **{f"ablation {name}": [asdict(r) for r in rs] for name, rs in ablation.items()},
                 **{f"streamed {name}": [asdict(r)] for name, r in streamed.items()},
             },
@@ -274,6 +305,9 @@ def main(argv: list[str]) -> int:
         "--rounds", type=_positive, default=1, help="run every server this many times, in turn; report the median"
     )
     compare.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True)
+    compare.add_argument(
+        "--chat", action=argparse.BooleanOptionalAction, default=True, help="run the chat workload too (see run)"
+    )
     compare.add_argument("--fiberserve-args", default="", help="extra flags for fiberserve serve (one string)")
     compare.add_argument("--output", default="BENCHMARKS.md")
     compare.add_argument("--out-dir", default="bench-results")

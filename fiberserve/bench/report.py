@@ -32,6 +32,18 @@ def _ratio_row(label: str, ours: list[LoadResult], theirs: list[LoadResult]) -> 
     return f"| {label} | " + " | ".join(f"{x:.2f}x" for x in ratios) + " |"
 
 
+def _table(levels: list[int], series: dict[str, list[LoadResult]]) -> list[str]:
+    """Output tokens/s by server and level, then each fiberserve row's ratio to each peer."""
+    lines = ["| server | " + " | ".join(f"C={c}" for c in levels) + " |", "| --- |" + " --- |" * len(levels)]
+    for name, results in series.items():
+        lines.append(f"| {name} | " + " | ".join(f"{r.output_tokens_per_s:.1f}" for r in results) + " |")
+    ours = [name for name in series if name.startswith("fiberserve")]
+    for name in ours:
+        for peer in (n for n in series if n not in ours):
+            lines.append(_ratio_row(f"ratio {name} / {peer}", series[name], series[peer]))
+    return lines
+
+
 def _bound_section(series: dict[str, list[LoadResult]], peaks: Peaks, flops: TokenFlops) -> list[str]:
     """How close each fiberserve row came to the machine's compute bound, at each level."""
     giga = 1e9
@@ -92,8 +104,10 @@ def render(
     notes: str,
     rounds: dict[str, list[list[float]]] | None = None,
     plot: str = "bench-results/benchmarks.png",
+    chat: dict[str, list[LoadResult]] | None = None,
 ) -> str:
-    """BENCHMARKS.md: the table and ratios, the issue's targets as this run measured them (``targets.py``), the
+    """BENCHMARKS.md: the chat workload's table and ratios (where it ran), then the forced workload's table and
+    ratios, the issue's targets as this run measured them (``targets.py``), the
     compute bound, latencies, streaming, the ablation, then the hand-written ``notes`` file (where the time goes,
     what misses and why) if it exists.
 
@@ -108,32 +122,40 @@ def render(
         "",
         f"Machine: {machine()}.",
         "",
-        "Workload: SmolLM2-135M-Instruct, 40-word prompts, 64 output tokens forced (ignore_eos), temperature 0, "
-        "non-streaming, closed loop; output tokens/s over the whole run.",
-        "",
         "Servers: " + "; ".join(f"{s.name} ({s.version})" for s in servers) + ".",
         "",
     ]
     if missing:
         lines += ["Not measured (not installed): " + "; ".join(missing) + ".", ""]
-    lines += ["## Output tokens/s", ""]
+    if chat:
+        lines += [
+            "## Chat traffic: output tokens/s",
+            "",
+            "Streamed chat completions, a shared system prompt and distinct questions, answers ending on their own "
+            "(at most 256 tokens), temperature 0.7, a seed per request; closed loop (`fiberserve bench run "
+            "--workload chat`).",
+            "",
+            *_table(levels, chat),
+            "",
+            "### Latency (chat), per server",
+            "",
+        ]
+        for name, results in chat.items():
+            lines += [f"#### {name}", "", summarize(results), ""]
+    lines += [
+        "## Forced workload: output tokens/s",
+        "",
+        "40-word prompts, 64 output tokens forced (ignore_eos), temperature 0, non-streaming, closed loop; output "
+        "tokens/s over the whole run.",
+        "",
+    ]
     if count > 1:
         lines += [
             f"Each figure is the median of {count} rounds (every server ran once per round, in turn; the ratios "
             "and the sections below use the median round of each level); all rounds are under Rounds.",
             "",
         ]
-    lines += [
-        "| server | " + " | ".join(f"C={c}" for c in levels) + " |",
-        "| --- |" + " --- |" * len(levels),
-    ]
-    for name in names:
-        lines.append(f"| {name} | " + " | ".join(f"{r.output_tokens_per_s:.1f}" for r in series[name]) + " |")
-    ours = [name for name in names if name.startswith("fiberserve")]
-    for name in ours:
-        for peer in (n for n in names if n not in ours):
-            lines.append(_ratio_row(f"ratio {name} / {peer}", series[name], series[peer]))
-    lines += ["", *targets_section(series, streamed), *_bound_section(series, peaks, flops)]
+    lines += [*_table(levels, series), "", *targets_section(series, streamed), *_bound_section(series, peaks, flops)]
     lines += ["## Latency (non-streaming), per server", ""]
     for name in names:
         lines += [f"### {name}", "", summarize(series[name]), ""]

@@ -683,6 +683,16 @@ def test_load_generator_against_the_real_server(server):
     prompt_tokens.add(result.prompt_tokens)
     # the same four prompts each time: every API and mode reports the same prompt tokens, 8+ words each
     assert len(prompt_tokens) == 1 and prompt_tokens.pop() >= 4 * 8
+    # the chat workload: streamed, sampled with a seed per request, ending on its own within the limit
+    from fiberserve.bench.cli import workload_spec
+    from fiberserve.bench.loadgen import CHAT_SYSTEM
+
+    chat = workload_spec("chat", url=server.url, concurrency=2, requests=4, output_len=24)
+    assert (chat.stream, chat.ignore_eos, chat.temperature) == (True, False, 0.7)
+    result = asyncio.run(run_load(chat))
+    assert (result.completed, result.errors) == (4, 0) and 4 <= result.output_tokens <= 4 * 24, result.first_errors
+    assert 0 < result.ttft_p50_ms <= result.e2e_p50_ms
+    assert result.prompt_tokens > 4 * len(CHAT_SYSTEM.split())  # the system prompt went with every question
 
 
 def test_bench_run_writes_its_json_table_and_plot(server, tmp_path, capsys):

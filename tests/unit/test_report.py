@@ -111,3 +111,16 @@ def test_targets_are_checked_against_the_run_s_own_figures():
     rows = dict(line.split(" | ", 1) for line in targets_section(series, {}) if line.startswith("| C="))
     assert rows["| C=16 >= 1.3x vLLM"] == "not measured | not measured |"
     assert rows["| C=64 >= 60% of 2000 tok/s"] == "not measured | 55%: **missed** |"
+
+
+def test_the_chat_workload_leads_the_report(tmp_path):
+    servers = [PeerServer("fiberserve", [], 1), PeerServer("llama-server", [], 2)]
+    forced = {"fiberserve": [result(1, 300.0)], "llama-server": [result(1, 100.0)]}
+    chat = {"fiberserve": [result(1, 150.0)], "llama-server": [result(1, 120.0)]}
+    peaks = Peaks(threads=2, fp32=5e11, bf16=1e12, int8=2e12, q4_1=1.25e12, amx_bf16=0.0)
+    flops = TokenFlops(decoder=0.5e9, head=0.5e9)
+    text = render("c", [1], forced, {}, {}, servers, [], peaks, flops, str(tmp_path / "absent.md"), chat=chat)
+    assert text.index("## Chat traffic") < text.index("## Forced workload")
+    assert "| ratio fiberserve / llama-server | 1.25x |" in text.split("## Forced workload")[0]
+    assert "| ratio fiberserve / llama-server | 3.00x |" in text.split("## Forced workload")[1]
+    assert "## Chat traffic" not in render("c", [1], forced, {}, {}, servers, [], peaks, flops, "absent.md")
