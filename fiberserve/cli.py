@@ -56,7 +56,7 @@ HELP = {
     "invocation_timeout": "seconds one model invocation may take before its flight fails and its fiber is replaced",
     "fault_rate": "fraction of model invocations that fail on purpose (testing only)",
     "max_n": "largest n (completions per prompt) a request may ask for",
-    "seed": "seed of the server's own randomness",
+    "seed": "seeds the sampling seeds drawn for requests that give none (same server, same requests: same tokens)",
     "progress": "show progress bars while fetching and loading",
     "host": "address to bind (127.0.0.1 unless told otherwise)",
     "port": "port to listen on",

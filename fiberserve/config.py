@@ -70,6 +70,8 @@ class EngineConfig:
     fault_rate: float = 0.0
     #: Longest n a request may ask for.
     max_n: int = 16
+    #: Seeds the seeds the engine draws for requests that give none, so that a server started alike and sent the
+    #: same requests in the same order samples the same tokens (vLLM's ``--seed``).
     seed: int = 0
     progress: bool = True
 

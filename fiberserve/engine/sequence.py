@@ -59,7 +59,10 @@ class Sequence:
         detokenizer: IncrementalDetokenizer,
         eos_token_ids: frozenset[int],
         max_context: int,
+        seed: int | None = None,
     ) -> None:
+        """``seed``: what keys the sampling noise, with ``index`` (the request's seed, or one the engine drew for
+        it); None: the request's seed, or a random one."""
         self.uid = next(_ids)
         self.request_id = request_id
         self.index = index  #: which of the request's n completions
@@ -93,8 +96,10 @@ class Sequence:
         self.held = ""  #: text not yet released: it may be the start of a stop string
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
         self.max_tokens = min(params.max_new_tokens, max_context - len(prompt_ids))
-        #: Keys this sequence's sampling noise (see ``sampler.uniform``): from the request's seed, or random.
-        self.sampling_key = sampling_key(random.getrandbits(64) if params.seed is None else params.seed, index)
+        if seed is None:
+            seed = params.seed if params.seed is not None else random.getrandbits(63)
+        #: Keys this sequence's sampling noise (see ``sampling_noise.uniform``).
+        self.sampling_key = sampling_key(seed, index)
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

@@ -19,6 +19,7 @@ import functools
 import itertools
 import logging
 import os
+import random
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -181,6 +182,8 @@ class LlmService:
             self.pages, config.max_running, config.max_batch_tokens, config.decode_steps, config.speculative_tokens
         )
         self.faults = FaultInjector(config.fault_rate)
+        #: Draws the sampling seeds of requests that give none (``config.seed`` seeds it).
+        self.unseeded = random.Random(config.seed)
         threads = config.threads_per_fiber or max(1, (os.cpu_count() or 1) // config.fibers)
         self.program = Program(
             lambda fiber: ModelRunner(
@@ -297,6 +300,7 @@ class LlmService:
         if len(self.scheduler.waiting) + params.n > self.config.max_queue:
             raise QueueFull(f"the admission queue is full ({self.config.max_queue} waiting)")
         rid = request_id or uuid.uuid4().hex
+        seed = params.seed if params.seed is not None else self.unseeded.getrandbits(63)
         seqs = [
             Sequence(
                 rid,
@@ -306,6 +310,7 @@ class LlmService:
                 self.tokenizer.detokenizer(prompt_ids, params.skip_special_tokens),
                 self.tokenizer.eos_token_ids,
                 self.max_context,
+                seed,
             )
             for i in range(params.n)
         ]

@@ -113,6 +113,21 @@ async def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(engine):
     assert other[0].outputs[0].token_ids != alone[0].outputs[0].token_ids
 
 
+async def test_the_engine_seed_makes_unseeded_sampling_repeat(engine):
+    """Requests without a seed get one the engine draws from ``seed``: a server started alike and sent the same
+    requests in the same order samples the same tokens; another engine seed, others."""
+    prompts = engine.chat_prompts(4)
+    free = SamplingParams(max_new_tokens=16, temperature=1.0)
+
+    def tokens(outputs):
+        return [o.outputs[0].token_ids for o in outputs]
+
+    first, again = [tokens(await engine.run(prompts, free, seed=0)) for _ in range(2)]
+    other = tokens(await engine.run(prompts, free, seed=1))
+    assert first == again and first != other
+    assert len({tuple(t) for t in first}) == len(prompts)  # each request its own noise
+
+
 async def test_top_k_1_equals_greedy_and_n_gives_distinct_samples(engine):
     prompt = engine.chat_prompts(1)
     greedy = await engine.run(prompt, SamplingParams(max_new_tokens=12, temperature=0))
