@@ -19,7 +19,7 @@ from pathlib import Path
 from fiberserve.config import TOOL_CALL_PARSERS, EngineConfig, ServerConfig
 
 HELP = {
-    "model": "a .gguf file or a Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)",
+    "model": "a GGUF file (any name) or a Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)",
     "cache_dir": "where the default model and converted tokenizers are cached ($FIBERSERVE_CACHE)",
     "device": "cpu, cuda or cuda:N",
     "dtype": "float32, bfloat16, or auto (bfloat16 where the hardware computes it natively)",
@@ -70,6 +70,9 @@ HELP = {
         "blocks, as Qwen2.5 and Hermes models write them)"
     ),
     "shutdown_timeout": "seconds SIGTERM lets in-flight requests finish before aborting them",
+    "stay_up_on_load_failure": (
+        "when the model fails to load, stay up answering 503 with the error instead of exiting with status 1"
+    ),
     "log_level": "debug, info, warning or error",
 }
 
@@ -200,8 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from fiberserve.server import run_server
 
-        run_server(config)
-        return 0
+        return run_server(config)
     from fiberserve import LLM, SamplingParams
 
     with LLM(config=config.engine) as llm:

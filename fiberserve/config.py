@@ -20,7 +20,7 @@ def default_cache_dir() -> Path:
 class EngineConfig:
     """Everything the engine needs; the server and the offline ``LLM`` build one of these."""
 
-    #: A .gguf file or a Hugging Face directory; None serves the embedded default model.
+    #: A GGUF file (known by its content) or a Hugging Face directory; None serves the embedded default model.
     model: str | None = None
     cache_dir: str = field(default_factory=lambda: str(default_cache_dir()))
     device: str = "cpu"
@@ -100,6 +100,9 @@ class ServerConfig:
     #: Seconds SIGTERM waits for in-flight requests before aborting them.
     shutdown_timeout: float = 30.0
     log_level: str = "info"
+    #: A model that fails to load: exit non-zero with its error (as vLLM, SGLang and llama-server do, and as
+    #: process managers expect), or with this set, stay up answering 503 with the error (``/health``: "failed").
+    stay_up_on_load_failure: bool = False
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:

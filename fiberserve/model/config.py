@@ -106,11 +106,31 @@ class ModelConfig:
 
 
 def read_config(path: str | Path) -> ModelConfig:
-    """The model's configuration alone (no weights read) from a ``.gguf`` file or a Hugging Face directory."""
+    """The model's configuration alone (no weights read) from a GGUF file or a Hugging Face directory."""
     path = Path(path)
-    if path.is_dir():
+    if model_format(path) == "hf":
         return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     return gguf_config(open_gguf(path))
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def model_format(path: Path) -> str:
+    """"gguf" for a file that starts with GGUF's magic (whatever its name: Ollama's blobs have none), "hf" for a
+    directory; otherwise an error that says what ``path`` is."""
+    if not path.exists():
+        raise FileNotFoundError(f"--model {path}: does not exist")
+    if path.is_dir():
+        return "hf"
+    with open(path, "rb") as f:
+        magic = f.read(len(GGUF_MAGIC))
+    if magic != GGUF_MAGIC:
+        raise ValueError(
+            f"--model {path}: not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r}) nor a Hugging Face "
+            "model directory"
+        )
+    return "gguf"
 
 
 def open_gguf(path: Path):
@@ -128,6 +148,23 @@ def open_gguf(path: Path):
         def _build_fields(self, offs, count):  # called once, before any field is read
             self.data = self.data.view(np.ndarray)
             return super()._build_fields(offs, count)
+
+        def _build_tensors(self, start_offs, fields):  # first: every tensor's type known and its bytes there
+            end = start_offs
+            for info in fields:
+                _, name, _, dims, raw_type, offset = info.parts
+                try:
+                    kind = gguf.GGMLQuantizationType(int(raw_type[0]))
+                except ValueError:
+                    raise UnsupportedModelError(
+                        f"tensor {bytes(name).decode(errors='replace')!r} has GGML type {int(raw_type[0])}, which "
+                        f"the installed gguf package does not know"
+                    ) from None
+                block, size = gguf.GGML_QUANT_SIZES[kind]
+                end = max(end, start_offs + int(offset[0]) + int(np.prod(dims)) * size // block)
+            if end > len(self.data):
+                raise ValueError(f"truncated: its tensors end at byte {end}, the file has {len(self.data)} bytes")
+            return super()._build_tensors(start_offs, fields)
 
     try:
         return Reader(str(path))

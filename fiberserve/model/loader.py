@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from fiberserve.model.config import ModelConfig, UnsupportedModelError, gguf_config, open_gguf
+from fiberserve.model.config import ModelConfig, UnsupportedModelError, gguf_config, model_format, open_gguf
 
 
 @dataclass
@@ -31,13 +31,11 @@ class Checkpoint:
 
 
 def load_checkpoint(path: str | Path, progress: bool = True) -> Checkpoint:
-    """Load a ``.gguf`` file or a Hugging Face model directory."""
+    """Load a GGUF file (known by its content, whatever its name) or a Hugging Face model directory."""
     path = Path(path)
-    if path.is_dir():
+    if model_format(path) == "hf":
         return load_hf_directory(path, progress)
-    if path.suffix == ".gguf" and path.is_file():
-        return load_gguf(path, progress)
-    raise FileNotFoundError(f"--model {path}: expected a .gguf file or a Hugging Face model directory")
+    return load_gguf(path, progress)
 
 
 # ---------------------------------------------------------------- GGUF

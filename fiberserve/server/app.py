@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -31,14 +32,17 @@ from fiberserve.server.state import ServerState
 log = logging.getLogger("fiberserve.server")
 
 
-def create_app(config: ServerConfig, service: LlmService | None = None) -> FastAPI:
-    """The app; loads the model in the background unless ``service`` is given (``/health`` says 503 meanwhile)."""
+def create_app(
+    config: ServerConfig, service: LlmService | None = None, on_load_failure: Callable[[], None] | None = None
+) -> FastAPI:
+    """The app; loads the model in the background unless ``service`` is given (``/health`` says 503 meanwhile).
+    A load that fails calls ``on_load_failure`` unless ``config.stay_up_on_load_failure``."""
     state = ServerState(config)
     state.metrics = Metrics(state)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        loader = asyncio.create_task(_load(state, service))
+        loader = asyncio.create_task(_load(state, service, on_load_failure))
         try:
             yield
         finally:
@@ -69,7 +73,7 @@ def create_app(config: ServerConfig, service: LlmService | None = None) -> FastA
     return app
 
 
-async def _load(state: ServerState, service: LlmService | None) -> None:
+async def _load(state: ServerState, service: LlmService | None, on_failure: Callable[[], None] | None) -> None:
     try:
         if service is None:
             service = await asyncio.to_thread(LlmService.load, state.config.engine)
@@ -79,6 +83,8 @@ async def _load(state: ServerState, service: LlmService | None) -> None:
     except Exception as exc:
         state.load_error = f"{type(exc).__name__}: {exc}"
         log.error("could not load the model: %s", state.load_error)
+        if on_failure is not None and not state.config.stay_up_on_load_failure:
+            on_failure()
         return
     if state.metrics is not None:
         service.scheduler.finish_listeners.append(state.metrics.observe_sequence)
@@ -99,8 +105,9 @@ async def _load(state: ServerState, service: LlmService | None) -> None:
     )
 
 
-def run_server(config: ServerConfig) -> None:
-    """Serve until SIGINT/SIGTERM; in-flight requests get ``shutdown_timeout`` seconds to finish, then exit 0."""
+def run_server(config: ServerConfig) -> int:
+    """Serve until SIGINT/SIGTERM; in-flight requests get ``shutdown_timeout`` seconds to finish; returns 0.  A
+    model that fails to load stops the server at once and returns 1 (unless ``stay_up_on_load_failure``)."""
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
@@ -109,12 +116,20 @@ def run_server(config: ServerConfig) -> None:
             self._captured_signals.clear()  # uvicorn would re-raise the signal afterwards: exit -15, not 0
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    failed = False
+
+    def stop_on_failure() -> None:
+        nonlocal failed
+        failed = server.should_exit = True
+
     uvicorn_config = uvicorn.Config(
-        create_app(config),
+        create_app(config, on_load_failure=stop_on_failure),
         host=config.host,
         port=config.port,
         log_level=config.log_level,
         access_log=False,
         timeout_graceful_shutdown=config.shutdown_timeout,
     )
-    GracefulServer(uvicorn_config).run()
+    server = GracefulServer(uvicorn_config)
+    server.run()
+    return 1 if failed else 0

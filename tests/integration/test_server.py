@@ -58,11 +58,22 @@ def test_health_is_503_until_the_model_is_ready_and_sigterm_exits_cleanly(start_
     assert last["meta_info"]["finish_reason"]["type"] in ("length", "abort")
 
 
-def test_a_model_that_fails_to_load_is_reported_not_crashed(tmp_path, start_server):
-    """A bad --model: the server stays up, /health says "failed" (503), and a request gets a 503 naming the flag."""
-    bad = tmp_path / "not-a-model.gguf"
+def test_a_model_that_fails_to_load_exits_1_with_its_error(tmp_path, start_server):
+    """As vLLM, SGLang and llama-server do, and as process managers expect."""
+    bad = tmp_path / "truncated.gguf"
     bad.write_bytes(b"GGUF but not really")
     proc = start_server("--model", str(bad))
+    assert proc.proc.wait(timeout=120) == 1
+    log = proc.log_path.read_text()
+    assert "could not load the model" in log and str(bad) in log and "not a GGUF file this server can read" in log
+    assert proc.stop() == 1
+
+
+def test_a_model_that_fails_to_load_is_reported_by_a_server_asked_to_stay_up(tmp_path, start_server):
+    """--stay-up-on-load-failure: /health says "failed" (503), and a request gets a 503 naming the flag."""
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"GGUF but not really")
+    proc = start_server("--model", str(bad), "--stay-up-on-load-failure")
     try:
         health = None
         for _ in range(600):

@@ -323,3 +323,28 @@ def test_default_quantization_is_the_files_own_where_int4_is_faster(tmp_path, ti
     assert resolve_quantization("none", ck, "cpu") == "none" and resolve_quantization("int4", ck, "cpu") == "int4"
     hf = load_checkpoint(tiny_dirs["hf"], progress=False)
     assert hf.decoder_weight_types == frozenset() and resolve_quantization("auto", hf, "cpu") == "none"
+
+
+def test_model_files_are_known_by_their_content_and_bad_ones_are_named(tmp_path, tiny_dirs):
+    from fiberserve.model.config import read_config
+
+    blob = tmp_path / "sha256-0a1b2c"  # how Ollama stores a GGUF: no suffix
+    blob.write_bytes(tiny_dirs["gguf"].read_bytes())
+    assert read_config(blob) == read_config(tiny_dirs["gguf"])
+    assert (
+        load_checkpoint(blob, progress=False).weights.keys()
+        == load_checkpoint(tiny_dirs["gguf"], progress=False).weights.keys()
+    )
+    with pytest.raises(FileNotFoundError, match=r"--model .*nowhere\.gguf: does not exist"):
+        load_checkpoint(tmp_path / "nowhere.gguf")
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    with pytest.raises(ValueError, match=r"not a GGUF file \(it starts with b'hell', not b'GGUF'\)"):
+        load_checkpoint(text)
+    whole = tiny_dirs["gguf"].read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[: len(whole) - 1000])
+    with pytest.raises(
+        ValueError, match=rf"truncated: its tensors end at byte {len(whole)}, the file has {len(whole) - 1000} bytes"
+    ):
+        load_checkpoint(cut, progress=False)
