@@ -348,3 +348,40 @@ def test_model_files_are_known_by_their_content_and_bad_ones_are_named(tmp_path,
         ValueError, match=rf"truncated: its tensors end at byte {len(whole)}, the file has {len(whole) - 1000} bytes"
     ):
         load_checkpoint(cut, progress=False)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 100000.0},
+        {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
+    ],
+    ids=["base", "linear", "llama3"],
+)
+def test_configs_written_by_the_installed_transformers_are_read_whole(tmp_path, rope):
+    """transformers 5 keeps RoPE's base and scaling in ``rope_parameters`` (no top-level ``rope_theta``)."""
+    from transformers import LlamaConfig
+
+    path = write_hf(tmp_path / "m", TINY, random_weights(TINY, seed=4))
+    hf_keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    written = LlamaConfig(
+        **{k: TINY[k] for k in hf_keys},
+        num_key_value_heads=TINY["num_key_value_heads"],
+        max_position_embeddings=TINY["max_position_embeddings"],
+        rms_norm_eps=TINY["rms_norm_eps"],
+        rope_parameters=dict(rope),
+    )
+    written.save_pretrained(path)
+    config = load_checkpoint(path, progress=False).config
+    assert config.rope_theta == rope["rope_theta"]
+    assert (config.rope_scaling or {}).get("rope_type", "default") == rope["rope_type"]
+    ours = logits_of(LlamaModel(load_checkpoint(path, progress=False)), TOKENS * 3)
+    torch.testing.assert_close(ours, hf_logits(path, TOKENS * 3), atol=1e-4, rtol=0)
