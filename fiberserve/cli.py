@@ -190,8 +190,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "bench":
-        from fiberserve.bench.cli import main as bench_main
-
+        try:
+            from fiberserve.bench.cli import main as bench_main
+        except ImportError as exc:
+            raise SystemExit(f"fiberserve bench needs its extra: pip install 'fiberserve[bench]' ({exc})") from None
         return bench_main(args.rest)
     if args.command == "fetch":
         from fiberserve.model.assets import fetch_default_model

@@ -14,5 +14,6 @@ python3 -m venv .venv
 # The SGLang frontend, installed lightly: its own dependencies are the server's, not the client's.
 .venv/bin/python -m pip install -q --no-deps "sglang==0.5.10"
 .venv/bin/ruff check fiberserve tests
+.venv/bin/ruff format --check fiberserve tests
 # pytest exits 5 when it collects nothing: that must fail, and it does under set -e.
 exec .venv/bin/python -m pytest -q "$@"

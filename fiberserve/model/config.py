@@ -122,8 +122,8 @@ GGUF_MAGIC = b"GGUF"
 
 
 def model_format(path: Path) -> str:
-    """"gguf" for a file that starts with GGUF's magic (whatever its name: Ollama's blobs have none), "hf" for a
-    directory; otherwise an error that says what ``path`` is."""
+    """The format of ``path``: "gguf" for a file that starts with GGUF's magic (whatever its name: Ollama's blobs
+    have none), "hf" for a directory; otherwise an error that says what ``path`` is."""
     if not path.exists():
         raise FileNotFoundError(f"--model {path}: does not exist")
     if path.is_dir():
