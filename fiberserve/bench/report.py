@@ -12,31 +12,57 @@ from fiberserve.bench.peak import Peaks, TokenFlops, bound_tokens_per_s
 from fiberserve.bench.peers import PeerServer
 from fiberserve.bench.targets import NOMINAL_BOUND, targets_section
 
+#: The matrix-product instructions a figure depends on, by their /proc/cpuinfo flag.
+CPU_FEATURES = {
+    "avx2": "AVX2",
+    "avx512f": "AVX-512",
+    "avx512_bf16": "AVX512-BF16",
+    "avx512_vnni": "VNNI",
+    "amx_bf16": "AMX",
+}
+
+
+#: AMD's core generations by CPU family (the model name of a cloud VM's CPU is often just "AMD EPYC").
+AMD_FAMILIES = {"23": "Zen 1 or 2: ", "25": "Zen 3 or 4: ", "26": "Zen 5: "}
+
 
 def machine() -> str:
-    """The CPU, its core count, Python and the OS, in one line."""
+    """The CPU (its name, family and model, and the product instructions it has), its core count, Python and
+    the OS, in one line."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
+        info = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in lines[:40])}
+        flags = set(info.get("flags", "").split())
+        features = ", ".join(name for flag, name in CPU_FEATURES.items() if flag in flags) or "no AVX2"
+        family = info.get("cpu family", "")
+        core = AMD_FAMILIES.get(family, "") if info.get("vendor_id") == "AuthenticAMD" else ""
+        cpu = f"{info['model name']} ({core}family {family}, model {info.get('model')}; {features})"
+    except (OSError, KeyError):
         cpu = platform.processor()
     return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.platform()}"
 
 
 def _ratio_row(label: str, ours: list[LoadResult], theirs: list[LoadResult]) -> str:
-    """A markdown table row of output-throughput ratios, level by level."""
-    ratios = [
-        a.output_tokens_per_s / b.output_tokens_per_s if b.output_tokens_per_s else float("nan")
+    """A markdown table row of output-throughput ratios, level by level ("-" where either side had errors: its
+    throughput is not that of the load asked for)."""
+    cells = [
+        f"{a.output_tokens_per_s / b.output_tokens_per_s:.2f}x"
+        if b.output_tokens_per_s and not a.errors + b.errors
+        else "-"
         for a, b in zip(ours, theirs, strict=True)
     ]
-    return f"| {label} | " + " | ".join(f"{x:.2f}x" for x in ratios) + " |"
+    return f"| {label} | " + " | ".join(cells) + " |"
+
+
+def _throughput(r: LoadResult) -> str:
+    return f"{r.output_tokens_per_s:.1f}" + (f" ({r.errors} errors)" if r.errors else "")
 
 
 def _table(levels: list[int], series: dict[str, list[LoadResult]]) -> list[str]:
     """Output tokens/s by server and level, then each fiberserve row's ratio to each peer."""
     lines = ["| server | " + " | ".join(f"C={c}" for c in levels) + " |", "| --- |" + " --- |" * len(levels)]
     for name, results in series.items():
-        lines.append(f"| {name} | " + " | ".join(f"{r.output_tokens_per_s:.1f}" for r in results) + " |")
+        lines.append(f"| {name} | " + " | ".join(_throughput(r) for r in results) + " |")
     ours = [name for name in series if name.startswith("fiberserve")]
     for name in ours:
         for peer in (n for n in series if n not in ours):

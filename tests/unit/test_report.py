@@ -124,3 +124,14 @@ def test_the_chat_workload_leads_the_report(tmp_path):
     assert "| ratio fiberserve / llama-server | 1.25x |" in text.split("## Forced workload")[0]
     assert "| ratio fiberserve / llama-server | 3.00x |" in text.split("## Forced workload")[1]
     assert "## Chat traffic" not in render("c", [1], forced, {}, {}, servers, [], peaks, flops, "absent.md")
+
+
+def test_a_level_with_errors_is_marked_and_not_compared(tmp_path):
+    servers = [PeerServer("fiberserve", [], 1), PeerServer("vLLM", [], 2)]
+    failed = result(64, 1.6)
+    failed.errors = 128
+    chat = {"fiberserve": [result(16, 700.0), result(64, 970.0)], "vLLM": [result(16, 350.0), failed]}
+    peaks = Peaks(threads=2, fp32=5e11, bf16=1e12, int8=2e12, q4_1=1.25e12, amx_bf16=0.0)
+    flops = TokenFlops(decoder=0.5e9, head=0.5e9)
+    text = render("c", [16, 64], chat, {}, {}, servers, [], peaks, flops, str(tmp_path / "absent.md"), chat=chat)
+    assert "| vLLM | 350.0 | 1.6 (128 errors) |" in text and "| ratio fiberserve / vLLM | 2.00x | - |" in text
