@@ -70,6 +70,7 @@ HELP = {
         "blocks, as Qwen2.5 and Hermes models write them)"
     ),
     "shutdown_timeout": "seconds SIGTERM lets in-flight requests finish before aborting them",
+    "check_integrity": "check the engine's invariants (pages, references, queues, fibers) each time it goes idle",
     "stay_up_on_load_failure": (
         "when the model fails to load, stay up answering 503 with the error instead of exiting with status 1"
     ),

@@ -70,6 +70,9 @@ class EngineConfig:
     fault_rate: float = 0.0
     #: Longest n a request may ask for.
     max_n: int = 16
+    #: Check the engine's invariants (pages, references, queues, fibers: ``LlmService.check_integrity``) each time
+    #: it goes idle; a broken one is logged, and every later request fails with it (for tests and debugging).
+    check_integrity: bool = False
     #: Seeds the seeds the engine draws for requests that give none, so that a server started alike and sent the
     #: same requests in the same order samples the same tokens (vLLM's ``--seed``).
     seed: int = 0

@@ -182,6 +182,8 @@ class LlmService:
             self.pages, config.max_running, config.max_batch_tokens, config.decode_steps, config.speculative_tokens
         )
         self.faults = FaultInjector(config.fault_rate)
+        #: Why the engine refuses work: an invariant that ``config.check_integrity`` found broken.
+        self.broken: str | None = None
         #: Draws the sampling seeds of requests that give none (``config.seed`` seeds it).
         self.unseeded = random.Random(config.seed)
         threads = config.threads_per_fiber or max(1, (os.cpu_count() or 1) // config.fibers)
@@ -268,6 +270,12 @@ class LlmService:
         finally:
             self._flights.discard(asyncio.current_task())
             self._wake.set()
+            if self.config.check_integrity and self.is_idle() and self.broken is None:
+                try:
+                    self.check_integrity()
+                except AssertionError as exc:
+                    log.exception("the engine's invariants broke")
+                    self.broken = f"the engine's invariants broke: {exc}"
 
     # ------------------------------------------------------------------ requests
 
@@ -294,7 +302,10 @@ class LlmService:
             )
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
-        """Validate and queue a request; its sequences start streaming events at once."""
+        """Validate and queue a request; its sequences start streaming events at once.  Raises RuntimeError once
+        an integrity check has found the engine broken."""
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
         self.validate(prompt_ids, params)
         grammar = self.grammars.compile(params.grammar) if params.grammar else None
         if len(self.scheduler.waiting) + params.n > self.config.max_queue:

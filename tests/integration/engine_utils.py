@@ -52,6 +52,7 @@ class Engine:
 
     def service(self, dtype: str = "bfloat16", **config) -> LlmService:
         config.setdefault("progress", False)
+        config.setdefault("check_integrity", True)  # whenever the engine goes idle, not only at the end
         model = load_model(self.model_path, dtype, config.get("quantization", "none"))
         return LlmService(EngineConfig(dtype=dtype, **config), model, self.tokenizer, self.model_path)
 

@@ -113,6 +113,24 @@ async def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(engine):
     assert other[0].outputs[0].token_ids != alone[0].outputs[0].token_ids
 
 
+async def test_check_integrity_at_idle_stops_a_broken_engine(engine):
+    """With ``check_integrity`` the engine checks its invariants whenever it goes idle; once one is broken (here a
+    page leaked behind the scheduler's back), every later request fails with the reason."""
+    svc = engine.service()
+    await svc.start()
+    try:
+        prompt = engine.chat_prompts(1)[0]
+        await svc.generate(prompt, SamplingParams(max_new_tokens=2, temperature=0))
+        assert svc.broken is None
+        svc.pages.allocate(1)  # held by no sequence
+        await svc.generate(prompt, SamplingParams(max_new_tokens=2, temperature=0))  # it goes idle after this one
+        assert svc.broken is not None and "page" in svc.broken
+        with pytest.raises(RuntimeError, match="invariants broke"):
+            svc.submit(prompt, SamplingParams(max_new_tokens=2))
+    finally:
+        await svc.close()
+
+
 async def test_the_engine_seed_makes_unseeded_sampling_repeat(engine):
     """Requests without a seed get one the engine draws from ``seed``: a server started alike and sent the same
     requests in the same order samples the same tokens; another engine seed, others."""

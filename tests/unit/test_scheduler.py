@@ -279,3 +279,16 @@ def test_drafting_switches_itself_off_where_drafted_flights_land_fewer_tokens_pe
     assert rates[1, True].per_second < rates[1, False].per_second
     assert sum(drafted[2 * MIN_FLIGHTS :]) <= 3  # then drafting only to check now and then
     scheduler.check_integrity()
+
+
+def test_a_broken_invariant_is_caught_when_the_engine_goes_idle():
+    """``check_integrity`` (the debug flag runs it at every idle moment): pages a sequence holds must be counted."""
+    import pytest
+
+    scheduler = Scheduler(PagePool(64, page_size=4), max_running=16, max_batch_tokens=64, decode_steps=8)
+    seq = sequence()
+    decoding(scheduler, seq)
+    scheduler.check_integrity()
+    seq.pages.append(seq.pages[0])  # a page reference the pool never gave out
+    with pytest.raises(AssertionError, match="page references"):
+        scheduler.check_integrity()
