@@ -180,11 +180,7 @@ def _body(spec: LoadSpec, prompt: str, index: int) -> tuple[str, dict]:
         "stream": spec.stream,
         "ignore_eos": spec.ignore_eos,
     }
-    if spec.model:
-        body["model"] = spec.model
-    if spec.stream:
-        body["stream_options"] = {"include_usage": True}
-    return "/v1/completions", body
+    return "/v1/completions", _openai_extras(spec, body)
 
 
 def _chat_body(spec: LoadSpec, question: str, index: int) -> dict:
@@ -196,6 +192,11 @@ def _chat_body(spec: LoadSpec, question: str, index: int) -> dict:
     }
     if spec.seeded:
         body["seed"] = spec.seed * 100_000 + index
+    return _openai_extras(spec, body)
+
+
+def _openai_extras(spec: LoadSpec, body: dict) -> dict:
+    """``body`` with the model named (where given) and, streamed, the usage asked for in the last chunk."""
     if spec.model:
         body["model"] = spec.model
     if spec.stream:

@@ -203,8 +203,8 @@ def append_token(seq: Sequence, token: int, info: TokenLogprob | None) -> Sequen
     ``include_stop_str``), but only once there are ``min_new_tokens`` tokens
     (as in vLLM: one completed earlier is text; the sampler bans stop tokens
     until then); a match of a ``stop_regex`` ends with ``stop`` and its text
-    is kept (as SGLang does), from ``min_new_tokens`` on too; reaching ``max_new_tokens`` (or the context length) ends
-    with ``length``.
+    is kept (as SGLang does), also only from ``min_new_tokens`` on; reaching
+    ``max_new_tokens`` (or the context length) ends with ``length``.
     """
     seq.output_ids.append(token)
     if info is not None:

@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -160,6 +160,8 @@ class LogprobAsk:
     output: bool = False
     input_from: int | None = None
     token_texts: Callable[[list[int]], list[str]] | None = None
+    #: Token id -> its text, decoded once per request: a stream sends every entry so far with each event.
+    texts: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, body: GenerateRequest, tokenizer: Tokenizer) -> LogprobAsk:
@@ -170,10 +172,12 @@ class LogprobAsk:
         """SGLang's ``[logprob, token_id, text]`` entries of ``token_ids`` and their top alternatives (None where a
         token has no logprob: the prompt's first); text is None unless asked for."""
         tops = [[] if lp is None else lp.top for lp in logprobs]
-        wanted = token_ids + [t for top in tops for t, _ in top]
-        texts = iter(self.token_texts(wanted) if self.token_texts else [None] * len(wanted))
-        chosen = [[lp and lp.logprob, t, next(texts)] for lp, t in zip(logprobs, token_ids, strict=True)]
-        top_entries = [lp and [[v, t, next(texts)] for t, v in top] for lp, top in zip(logprobs, tops, strict=True)]
+        if self.token_texts is not None:
+            new = list(dict.fromkeys(t for t in token_ids + [t for top in tops for t, _ in top] if t not in self.texts))
+            self.texts.update(zip(new, self.token_texts(new), strict=True))
+        text = self.texts.get
+        chosen = [[lp and lp.logprob, t, text(t)] for lp, t in zip(logprobs, token_ids, strict=True)]
+        top_entries = [lp and [[v, t, text(t)] for t, v in top] for lp, top in zip(logprobs, tops, strict=True)]
         return chosen, top_entries
 
 

@@ -167,14 +167,14 @@ class _Completions:
     async def stream(self, state: ServerState, http: Request, requests, include_usage: bool) -> AsyncIterator[str]:
         n = len(requests[0].seqs)
         prompt_index = {s.uid: i for i, r in enumerate(requests) for s in r.seqs}
-        for i, prompt in enumerate(self.echo or []):
-            for c in range(n):
-                if (choice := self.delta_choice(i * n + c, prompt, None)) is not None:
-                    yield self._chunk(state, requests, choice)
-        sent = dict.fromkeys(prompt_index, 0)  # logprobs streamed so far, per sequence
         # Every chunk of a choice is the same object around its choice: encoded once, the choice each time.
         head = json.dumps(self.body(state, requests, []) | {"object": self.chunk_object, "usage": None})
         head, tail = head[: head.index('"choices": [') + len('"choices": [')], "]}\n\n"
+        for i, prompt in enumerate(self.echo or []):
+            for c in range(n):
+                if (choice := self.delta_choice(i * n + c, prompt, None)) is not None:
+                    yield f"data: {head}{json.dumps(choice)}{tail}"
+        sent = dict.fromkeys(prompt_index, 0)  # logprobs streamed so far, per sequence
         async for batch in state.merged_events(requests, http):
             events = []  # every event of the batch in one write
             for seq, event in batch:
@@ -195,12 +195,6 @@ class _Completions:
         if include_usage:
             yield self._usage_chunk(state, requests)
         yield "data: [DONE]\n\n"
-
-    def _chunk(self, state: ServerState, requests, choice: dict) -> str:
-        """One streamed event of a choice's delta."""
-        chunk = self.body(state, requests, [choice]) | {"object": self.chunk_object}
-        chunk.pop("usage")
-        return f"data: {json.dumps(chunk)}\n\n"
 
     def _usage_chunk(self, state: ServerState, requests) -> str:
         """The last streamed event: the usage alone."""

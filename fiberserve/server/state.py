@@ -18,7 +18,6 @@ from fiberserve.server.errors import ApiError, from_engine
 from fiberserve.server.protocol import ChatMessage, chat_messages
 
 T = TypeVar("T")
-#: How often a stream with nothing to send checks whether its client is still there.
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:@/-]")
 
 
