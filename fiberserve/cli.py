@@ -42,14 +42,14 @@ HELP = {
     "max_running": "most sequences running at once",
     "max_batch_tokens": "token budget of one flight (long prompts are prefilled in chunks of this)",
     "decode_steps": (
-        "decode steps a batch of up to 4 plain decodes runs before it returns to the scheduler (each step's tokens "
+        "decode steps a batch of a few plain decodes runs before it returns to the scheduler (each step's tokens "
         "still stream at once; a new request ends the run after the current step); 1 = off"
     ),
     "speculative_tokens": (
         "the longest draft a decode carries (speculative decoding by prompt lookup: the tokens that followed "
         "the last earlier occurrence of its last 2-3 tokens; checked in the same pass, so the output is unchanged; "
         "a draft is cut where one more token would lower the expected tokens per second, from how often the "
-        "sequence's drafts came true and the pass times measured); 0 = off"
+        "sequence's drafts came true and the pass times seen); 0 = off"
     ),
     "prefix_caching": "reuse KV pages of prompt prefixes already computed",
     "max_queue": "most sequences waiting for admission; beyond it requests get 503 at once",

@@ -47,7 +47,8 @@ class EngineConfig:
     max_model_len: int | None = None
     max_running: int = 64
     max_batch_tokens: int = 512
-    #: Decode steps a flight of up to 4 plain decodes may run before it lands (vLLM's former ``--num-scheduler-steps``):
+    #: Decode steps a flight of a few plain decodes (``multi_step.MULTI_STEP_MAX_SEQUENCES``) may run before it
+    #: lands (vLLM's former ``--num-scheduler-steps``):
     #: each step lands on the host while the next computes, and a new arrival halts the flight after its
     #: current step.  1: every step lands before the next boards.
     decode_steps: int = 8
@@ -58,8 +59,8 @@ class EngineConfig:
     #: where one more token would lower the flight's expected tokens per second, from the rate the sequence's
     #: drafts come true and the pass times measured by rows (scheduler policy 5).  0: off.
     #: On by default, unlike vLLM and SGLang: on a CPU a few extra rows cost little next to reading the weights,
-    #: and the rule above drops drafts where they would not (measured: 2.4x on repeating text at one sequence,
-    #: +17% on chat answers, int4 on 2 AVX2 cores).
+    #: and the rule above, with ``speculation.DraftSwitch`` checking it per flight size, drops drafts where they
+    #: would not pay.
     speculative_tokens: int = 8
     prefix_caching: bool = True
     #: Requests waiting for admission beyond which new ones are refused (the server answers 503).

@@ -239,7 +239,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
         missing,
         peaks,
         flops,
-        args.notes,
         per_round,
         plot=shown_plot,
         chat=chat_series,
@@ -311,7 +310,6 @@ def main(argv: list[str]) -> int:
     compare.add_argument("--fiberserve-args", default="", help="extra flags for fiberserve serve (one string)")
     compare.add_argument("--output", default="BENCHMARKS.md")
     compare.add_argument("--out-dir", default="bench-results")
-    compare.add_argument("--notes", default="docs/benchmark-analysis.md", help="markdown appended to the report")
     peak = sub.add_parser("peak", help="the CPU's dot-product peak and the compute bound it sets for a model")
     peak.add_argument("--model", help="GGUF file or Hugging Face directory (default: the embedded model)")
     peak.add_argument("--cache-dir", default=str(default_cache_dir()))

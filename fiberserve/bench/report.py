@@ -10,7 +10,6 @@ from pathlib import Path
 from fiberserve.bench.loadgen import LoadResult, summarize
 from fiberserve.bench.peak import Peaks, TokenFlops, bound_tokens_per_s
 from fiberserve.bench.peers import PeerServer
-from fiberserve.bench.targets import NOMINAL_BOUND, targets_section
 
 #: The matrix-product instructions a figure depends on, by their /proc/cpuinfo flag.
 CPU_FEATURES = {
@@ -81,16 +80,14 @@ def _bound_section(series: dict[str, list[LoadResult]], peaks: Peaks, flops: Tok
         f"{flops.decoder / giga:.3f} + output head {flops.head / giga:.3f}), per prompt token "
         f"{flops.prompt / giga:.3f} GFLOP; attention and elementwise work not counted.",
         "",
-        f"Decode-only bound at the measured bf16 peak: {_bound(peaks.bf16, flops)} "
-        f"(issue 7 quotes ~{NOMINAL_BOUND:.0f}, from 550-800 GFLOP/s); at the AMX bf16 peak: "
+        f"Decode-only bound at the measured bf16 peak: {_bound(peaks.bf16, flops)}; at the AMX bf16 peak: "
         f"{_bound(peaks.amx_bf16, flops)}; at the int8 peak: "
         f"{_bound(peaks.int8, flops)}; at the int8 rate inside Q4_1 blocks (the int4 row's arithmetic): "
-        f"{_bound(peaks.q4_1, flops)}.  Rows below: the output tokens/s, that as a share of "
-        f"{NOMINAL_BOUND:.0f}, and the linear-layer rate the run sustained (generated and prompt tokens) as a "
-        "share of each peak.",
+        f"{_bound(peaks.q4_1, flops)}.  Rows below: the output tokens/s, that as a share of the bf16 decode "
+        "bound, and the linear-layer rate the run sustained (generated and prompt tokens) as a share of each peak.",
         "",
-        "| server | C | out tok/s | prompt tok / out tok | of 2000 | linear GOP/s | of bf16 peak | of AMX bf16 peak "
-        "| of int8 peak | of Q4_1 rate |",
+        "| server | C | out tok/s | prompt tok / out tok | of bf16 bound | linear GOP/s | of bf16 peak "
+        "| of AMX bf16 peak | of int8 peak | of Q4_1 rate |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, results in series.items():
@@ -100,7 +97,8 @@ def _bound_section(series: dict[str, list[LoadResult]], peaks: Peaks, flops: Tok
             rate = (r.output_tokens * flops.generated + r.prompt_tokens * flops.prompt) / r.wall_s
             lines.append(
                 f"| {name} | {r.spec['concurrency']} | {r.output_tokens_per_s:.1f} | "
-                f"{r.prompt_tokens / max(r.output_tokens, 1):.2f} | {r.output_tokens_per_s / NOMINAL_BOUND:.0%} | "
+                f"{r.prompt_tokens / max(r.output_tokens, 1):.2f} | "
+                f"{_share(r.output_tokens_per_s, bound_tokens_per_s(peaks.bf16, flops))} | "
                 f"{rate / giga:.0f} | {_share(rate, peaks.bf16)} | {_share(rate, peaks.amx_bf16)} | "
                 f"{_share(rate, peaks.int8)} | "
                 f"{_share(rate, peaks.q4_1)} |"
@@ -127,15 +125,13 @@ def render(
     missing: list[str],
     peaks: Peaks,
     flops: TokenFlops,
-    notes: str,
     rounds: dict[str, list[list[float]]] | None = None,
     plot: str = "bench-results/benchmarks.png",
     chat: dict[str, list[LoadResult]] | None = None,
 ) -> str:
     """BENCHMARKS.md: the chat workload's table and ratios (where it ran), then the forced workload's table and
-    ratios, the issue's targets as this run measured them (``targets.py``), the
-    compute bound, latencies, streaming, the ablation, then the hand-written ``notes`` file (where the time goes,
-    what misses and why) if it exists.
+    ratios, the compute bound, latencies, streaming and the ablation: figures only (what they mean is in
+    ``docs/performance.md``).
 
     ``rounds``: every round's output tokens/s per server and level (``compare --rounds``), where ``series``
     and ``streamed`` hold each level's median round; with more than one round they get a table of their own."""
@@ -181,7 +177,7 @@ def render(
             "and the sections below use the median round of each level); all rounds are under Rounds.",
             "",
         ]
-    lines += [*_table(levels, series), "", *targets_section(series, streamed), *_bound_section(series, peaks, flops)]
+    lines += [*_table(levels, series), "", *_bound_section(series, peaks, flops)]
     lines += ["## Latency (non-streaming), per server", ""]
     for name in names:
         lines += [f"### {name}", "", summarize(series[name]), ""]
@@ -213,6 +209,4 @@ def render(
             cells = [" / ".join(f"{run[i]:.1f}" for run in runs) for i in range(len(levels))]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", f"![throughput and latency]({plot})", ""]
-    if Path(notes).is_file():
-        lines += [Path(notes).read_text()]
     return "\n".join(lines)

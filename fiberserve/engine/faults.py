@@ -6,9 +6,8 @@ program instance and may be retuned while serving (the server exposes
 
 Faults are evenly spaced rather than random: at rate ``r`` the invocations
 whose count crosses a multiple of ``1 / r`` fail (at 0.2: the 5th, 10th, ...),
-so a test that makes enough invocations always sees a fault, and a run can be
-reproduced.  (Random faults made the fault test fail about one run in ten once
-the engine got fast enough to answer 40 requests in ~10 invocations.)
+so a test that makes enough invocations always sees a fault (however few
+invocations a fast engine needs), and a run can be reproduced.
 """
 
 from __future__ import annotations

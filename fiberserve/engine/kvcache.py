@@ -72,6 +72,21 @@ class PagePool:
 
     # ------------------------------------------------------------------ allocation
 
+    def grow(self, pages: list[int], tokens: int) -> bool:
+        """Extend a sequence's ``pages`` to cover ``tokens`` tokens; False (nothing taken) if too few are free."""
+        need = self.pages_for(tokens) - len(pages)
+        if need <= 0:
+            return True
+        new = self.allocate(need)
+        if new is None:
+            return False
+        pages.extend(new)
+        return True
+
+    def covered(self, pages: list[int], start: int) -> int:
+        """How many tokens from position ``start`` on ``pages`` hold room for."""
+        return len(pages) * self.page_size - start
+
     def allocate(self, count: int) -> list[int] | None:
         """``count`` fresh pages held once each, or None (nothing taken) if there are not enough."""
         if count > self.available_pages:

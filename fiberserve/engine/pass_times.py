@@ -2,9 +2,7 @@
 
 Speculative decoding spends rows to save passes; whether a draft token pays
 depends on what one more row costs next to the pass it rides in, which
-differs by batch size, dtype and CPU (measured on 2 AVX2 cores: a one-row int4
-pass ~6 ms and each further row ~2 ms; on AVX-512 VNNI rows are cheaper).
-So the scheduler asks this model rather than a constant (SmartSpec's
+differs by batch size, dtype and CPU.  So the scheduler asks this model rather than a constant (SmartSpec's
 "goodput" rule, Liu et al. 2024).
 """
 
@@ -16,8 +14,8 @@ import bisect
 PASS_TIME_WEIGHT = 0.2
 
 #: An estimate is a straight line through the moving averages of this many row counts seen around the one asked
-#: about: one row more or less differs by ~2 ms on 2 AVX2 cores while single averages stray by as much, so a
-#: lone neighbour would make a row look free, or dear, by chance.
+#: about: one row more or less costs about as much as single averages stray, so a lone neighbour would make a
+#: row look free, or dear, by chance.
 PASS_TIME_NEIGHBOURS = 4
 
 

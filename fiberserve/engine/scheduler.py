@@ -14,25 +14,11 @@ Policy, in the order :meth:`Scheduler.next_flight` applies it:
    recently arrived running sequence that is not in the air (it loses the
    least work; its full pages stay in the prefix cache, so its recompute is
    often cheap); the victim goes back to the front of the queue.
-4. A flight of at most ``MULTI_STEP_MAX_SEQUENCES`` plain decodes (every
-   item ``decodes_freely``) with nobody waiting may run up to
-   ``decode_steps`` steps before it lands, bounded by each sequence's
-   remaining tokens and by the pages free to reserve for them now (never by
-   preempting).  Each step lands as it comes (:meth:`on_step`); a new
-   arrival halts such flights after their current step, so admission waits
-   at most one step.
-5. In a flight of any size, each
-   decode that ``decodes_freely`` (greedy or sampled) may carry a draft by prompt lookup
-   (``drafting.py``) of up to ``speculative_tokens`` tokens, bounded by its
-   remaining tokens, the token budget and the pages free to reserve now
-   (never by preempting).  Draft tokens are taken while they raise the
-   flight's expected tokens per second: each sequence's draft tokens come
-   true at the rate its earlier drafts did, and a pass's time by rows is
-   learnt from the passes run (``pass_times.py``); and only in flights of
-   a size where drafting was measured to land more tokens per second than
-   not drafting (``speculation.py``).  This is decided before
-   policy 4: a flight with a draft runs one step, and a multi-step flight is
-   halted once the same rule would draft for its next step.
+4. A flight of a few plain decodes with nobody waiting runs several steps
+   before it lands (``multi_step.py``).
+5. Decodes may carry draft tokens by prompt lookup, where drafting pays
+   (``speculation.py``); this is decided before policy 4: a flight with a
+   draft runs one step.
 
 Every sequence ends in exactly one of stop, length, abort, error, and its
 pages are released in all four (:meth:`finish`).  A sequence in the air is
@@ -45,18 +31,17 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from fiberserve.engine.flight import Flight, FlightItem, FlightResult
 from fiberserve.engine.kvcache import PagePool
-from fiberserve.engine.runner import Flight, FlightItem, FlightResult
+from fiberserve.engine.multi_step import MultiStep
 from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent, Status, append_token
 from fiberserve.engine.speculation import Speculation
 
-#: Multi-step flights carry at most this many sequences.  Their steps land on the event loop while the next
-#: computes, so on a CPU whose cores all run the fiber's threads the loop's work competes with them: measured on
-#: 2 cores, one sequence gains the ~0.7 ms round trip of every step, while 16 streamed sequences lost 5-10%.
-MULTI_STEP_MAX_SEQUENCES = 4
-
 
 class Scheduler:
+    """Decides each flight (:meth:`next_flight`) and lands it (:meth:`on_step`, :meth:`on_flight_done`,
+    :meth:`on_flight_failed`); owns the waiting queue, the running list and, through them, every page held."""
+
     def __init__(
         self,
         pages: PagePool,
@@ -68,11 +53,10 @@ class Scheduler:
         self.pages = pages
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
-        self.decode_steps = decode_steps
+        self.multi_step = MultiStep(decode_steps, pages)
         self.speculation = Speculation(speculative_tokens)
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.multi_step_flights: list[Flight] = []  #: in the air
+        self.running: list[Sequence] = []  #: admitted: holding pages, in the air or not
         self.preemptions = 0
         #: Called with every sequence as it finishes, whatever the reason (metrics listen here: an aborted
         #: sequence in the air finishes when its flight lands, after its request has been let go).
@@ -82,8 +66,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-        for flight in self.multi_step_flights:
-            flight.halted = True
+        self.multi_step.halt_all()
 
     def abort(self, seq: Sequence) -> None:
         """Stop ``seq`` now, or when its flight lands if it is in the air."""
@@ -116,36 +99,10 @@ class Scheduler:
             return None
         flight = Flight(items)
         self.speculation.board(flight)
-        if not (flight.may_draft and self._draft(items, budget)):
-            flight.steps = self._decode_steps(items)
-        if flight.steps > 1:
-            self.multi_step_flights.append(flight)
+        if not (flight.may_draft and self.speculation.assign(items, budget, self.pages)):
+            flight.steps = self.multi_step.steps(items, anyone_waiting=bool(self.waiting))
+        self.multi_step.took_off(flight)
         return flight
-
-    def _decode_steps(self, items: list[FlightItem]) -> int:
-        """How many steps a flight of ``items`` may run (policy 4); reserves the pages they need."""
-        if self.decode_steps <= 1 or self.waiting or len(items) > MULTI_STEP_MAX_SEQUENCES:
-            return 1
-        if not all(item.decodes_freely for item in items):
-            return 1
-        steps = min(self.decode_steps, *(item.seq.max_tokens - len(item.seq.output_ids) for item in items))
-        for item in items:
-            if steps > 1 and not self._reserve(item.seq, item.start + steps, items, may_preempt=False):
-                steps = len(item.seq.pages) * self.pages.page_size - item.start  # what its pages cover
-        for item in items:
-            item.pages = tuple(item.seq.pages)
-        return max(1, steps)
-
-    def _draft(self, items: list[FlightItem], budget: int) -> bool:
-        """Give the flight's free decodes their drafts (policy 5); reserves their pages.  True if any got one."""
-        drafts = self.speculation.drafts(items, budget)
-        for item, draft in zip(items, drafts, strict=True):
-            seq = item.seq
-            if draft and not self._reserve(seq, item.start + 1 + len(draft), items, may_preempt=False):
-                draft = draft[: len(seq.pages) * self.pages.page_size - item.start - 1]  # what its pages cover
-            if draft:
-                item.draft, item.length, item.pages = tuple(draft), 1 + len(draft), tuple(seq.pages)
-        return any(item.draft for item in items)
 
     def _admit(self, seq: Sequence) -> bool:
         # A prompt being scored is computed whole: cached pages would skip the rows that score it.
@@ -166,24 +123,20 @@ class Scheduler:
     def _board(self, seq: Sequence, budget: int, items: list[FlightItem], may_preempt: bool) -> int:
         """Reserve pages for ``seq``'s next chunk and add it to ``items``; returns tokens used."""
         length = min(seq.num_tokens - seq.num_computed, budget)
-        while length > 0 and not self._reserve(seq, seq.num_computed + length, items, may_preempt):
+        while length > 0 and not self._reserve(seq, seq.num_computed + length, may_preempt):
             # Not enough pages for the whole chunk: try what the held pages already cover.
-            covered = len(seq.pages) * self.pages.page_size - seq.num_computed
-            length = min(length - 1, covered)
+            length = min(length - 1, self.pages.covered(seq.pages, seq.num_computed))
         if length <= 0:
             return 0
-        seq.in_flight = True
+        seq.status = Status.IN_FLIGHT
         items.append(FlightItem(seq, seq.num_computed, length, tuple(seq.pages)))
         return length
 
-    def _reserve(self, seq: Sequence, upto: int, boarding: list[FlightItem], may_preempt: bool) -> bool:
-        need = self.pages.pages_for(upto) - len(seq.pages)
-        if need <= 0:
-            return True
-        while (new := self.pages.allocate(need)) is None:
+    def _reserve(self, seq: Sequence, upto: int, may_preempt: bool) -> bool:
+        """Pages for ``seq``'s first ``upto`` tokens, preempting others for them if ``may_preempt`` (policy 3)."""
+        while not self.pages.grow(seq.pages, upto):
             if not may_preempt or not self._preempt_one(spare=seq):
                 return False
-        seq.pages.extend(new)
         return True
 
     def _preempt_one(self, spare: Sequence) -> bool:
@@ -211,9 +164,8 @@ class Scheduler:
         if flight.landed:  # the flight failed meanwhile (a timeout) and its sequences are finished
             return
         flight.tokens += self._record(result)
-        if flight.may_draft and not flight.halted:
-            following = [item.next_step(0) for item in flight.items if item.seq.finishing is None]
-            flight.halted = any(self.speculation.drafts(following, self.max_batch_tokens))
+        if not flight.halted:
+            flight.halted = self.speculation.halts(flight, self.max_batch_tokens)
 
     def on_flight_done(self, flight: Flight, result: FlightResult) -> None:
         flight.tokens += self._record(result)
@@ -259,10 +211,9 @@ class Scheduler:
 
     def _land(self, flight: Flight) -> None:
         flight.landed = flight.halted = True  # halted: a worker still running a failed flight stops after this step
-        if flight.steps > 1:
-            self.multi_step_flights.remove(flight)
+        self.multi_step.landed(flight)
         for item in flight.items:
-            item.seq.in_flight = False
+            item.seq.status = Status.RUNNING
 
     def on_flight_failed(self, flight: Flight, error: BaseException) -> None:
         self._land(flight)
@@ -298,8 +249,8 @@ class Scheduler:
         assert held == self.pages.total_references, f"sequences hold {held} page references, pool counts " + str(
             self.pages.total_references
         )
-        assert all(s.status is Status.RUNNING for s in self.running)
-        assert all(i.seq.in_flight and f.steps > 1 for f in self.multi_step_flights for i in f.items)
+        assert all(s.status in (Status.RUNNING, Status.IN_FLIGHT) for s in self.running)
+        assert all(i.seq.in_flight and f.steps > 1 for f in self.multi_step.in_air for i in f.items)
         assert all(s.status is Status.WAITING and not s.pages for s in self.waiting)
         if not self.running and not self.waiting:
             assert self.pages.used_pages == 0, f"{self.pages.used_pages} pages in use with no sequence"

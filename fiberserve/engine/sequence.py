@@ -20,8 +20,17 @@ _ids = itertools.count()
 
 
 class Status(enum.Enum):
+    """A sequence's place in its life, the one thing that says where it is.
+
+    WAITING (queued, no pages) -> RUNNING (admitted: holds pages) <-> IN_FLIGHT (in a flight: the scheduler
+    leaves it alone until it lands) -> ... -> FINISHED.  Preemption moves a RUNNING sequence back to WAITING;
+    a sequence finishes from WAITING or RUNNING, never IN_FLIGHT (an abort or a stop found in the air waits
+    for the landing: see ``abort_requested`` and ``finishing``).
+    """
+
     WAITING = "waiting"
     RUNNING = "running"
+    IN_FLIGHT = "in flight"
     FINISHED = "finished"
 
 
@@ -74,8 +83,7 @@ class Sequence:
         self.num_computed = 0  #: leading tokens whose K/V are in the cache
         self.registered_pages = 0  #: leading pages offered to the prefix cache
         self.cached_tokens = 0  #: prompt tokens served from the prefix cache
-        self.in_flight = False
-        self.abort_requested = False
+        self.abort_requested = False  #: the consumer asked to stop; honoured when the sequence is on the ground
         #: The final event of a sequence that ended inside a multi-step flight; it is finished (and this event
         #: delivered) when the flight lands, since its pages may still be written until then.
         self.finishing: SequenceEvent | None = None
@@ -139,6 +147,10 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def in_flight(self) -> bool:
+        return self.status is Status.IN_FLIGHT
 
     def __repr__(self) -> str:
         return (

@@ -30,9 +30,10 @@ import torch
 
 from fiberserve.config import EngineConfig
 from fiberserve.engine.faults import FaultInjector
+from fiberserve.engine.flight import Flight
 from fiberserve.engine.grammar import GrammarCompiler, GrammarState
 from fiberserve.engine.kvcache import PagePool
-from fiberserve.engine.runner import Flight, ModelRunner
+from fiberserve.engine.runner import ModelRunner
 from fiberserve.engine.sampling_params import InvalidParameter, SamplingParams
 from fiberserve.engine.scheduler import Scheduler
 from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent, TokenLogprob
@@ -146,8 +147,7 @@ def _one_intra_op_thread() -> Iterator[None]:
     The fibers' workers must own the only OpenMP teams in the process: libgomp
     stops spin-waiting between parallel regions once it manages more threads
     than there are cores, and the team a multi-threaded load leaves behind on
-    the main thread made every forward pass on a fiber ~40% slower (measured on
-    2 cores: 25 -> 37 ms per one-sequence decode step).
+    the main thread would make every forward pass on a fiber much slower.
     """
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -209,7 +209,7 @@ class LlmService:
         keep_freed_buffers()
         with _one_intra_op_thread():
             checkpoint = load_checkpoint(path, progress=config.progress)  # first: a bad --model fails at once,
-            dtype = resolve_dtype(config.dtype, config.device)  # not after the kernels' first build (~90 s)
+            dtype = resolve_dtype(config.dtype, config.device)  # not after the kernels' first build
             quantization = resolve_quantization(config.quantization, checkpoint, config.device)
             model = LlamaModel(checkpoint, dtype=dtype, device=config.device, quantization=quantization)
             tokenizer = load_tokenizer(path, config.cache_dir, checkpoint.config.eos_token_ids)

@@ -17,8 +17,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from fiberserve.engine.drafting import PromptLookup
+from fiberserve.engine.flight import Flight, FlightItem, FlightResult
+from fiberserve.engine.kvcache import PagePool
 from fiberserve.engine.pass_times import PassTimes
-from fiberserve.engine.runner import Flight, FlightItem, FlightResult
 
 #: Every EXPLORE_EVERY-th decision for a flight size takes the way that measured slower, so a change of traffic
 #: (text that starts repeating, or stops) is noticed; each way is measured MIN_FLIGHTS times before either wins.
@@ -108,6 +109,25 @@ class Speculation:
         flight.boarded = time.perf_counter() if self._landed is None else self._landed
         self._landed = None
         flight.may_draft = self.limit > 0 and self.switch.allows(len(flight.items))
+
+    def assign(self, items: list[FlightItem], budget: int, pages: PagePool) -> bool:
+        """Give a boarding flight's free decodes their drafts, reserving their pages (never by preempting: a
+        draft is cut to what its pages cover).  True if any got one; such a flight runs one step."""
+        for item, draft in zip(items, self.drafts(items, budget), strict=True):
+            seq = item.seq
+            if draft and not pages.grow(seq.pages, item.start + 1 + len(draft)):
+                draft = draft[: pages.covered(seq.pages, item.start + 1)]
+            if draft:
+                item.draft, item.length, item.pages = tuple(draft), 1 + len(draft), tuple(seq.pages)
+        return any(item.draft for item in items)
+
+    def halts(self, flight: Flight, budget: int) -> bool:
+        """Whether a multi-step flight should land after its current step because one of its sequences would
+        now carry a draft (its text started repeating), so that the next flight carries it."""
+        if not flight.may_draft:
+            return False
+        following = [item.next_step(0) for item in flight.items if item.seq.finishing is None]
+        return any(self.drafts(following, budget))
 
     def drafts(self, items: list[FlightItem], budget: int) -> list[list[int]]:
         """Each item's draft, cut where one more draft token would lower the flight's expected tokens per second.

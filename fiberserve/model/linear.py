@@ -1,47 +1,20 @@
 """Linear layers: a bf16 kernel of our own on AMX, AVX512-BF16 and AVX2 CPUs, oneDNN with prepacked weights otherwise.
 
-``F.linear`` on a plain ``[out, in]`` weight makes oneDNN reorder the weight
-into its blocked layout on every call.  Reordering once at load time
-(``mkldnn._reorder_linear_weight``) and calling ``mkldnn._linear_pointwise``
-is what ``torch.compile``'s CPU freezing pass does.  On CPUs with AVX512-BF16,
-bf16 weights go to :func:`.kernels.bf16_linear` instead (``vdpbf16ps`` tiles of
-6 rows x 64 outputs, weights packed once).  Measured on an AMD Zen 4 (AVX-512,
-no AMX) for the 120 decoder products of one SmolLM2-135M step in bf16 (2 threads):
+``F.linear`` on a plain ``[out, in]`` weight makes oneDNN reorder the weight into its blocked layout on every
+call; reordering once at load time (``mkldnn._reorder_linear_weight``) and calling
+``mkldnn._linear_pointwise`` is what ``torch.compile``'s CPU freezing pass does, and it is the fallback here.
+Where the CPU allows, bf16 weights go to :func:`.kernels.bf16_linear` instead, weights packed once:
 
-====  ==========  ======================
-rows  prepacked   ``bf16_linear``
-====  ==========  ======================
-2     12.7 ms     7.5 ms
-16    14.7 ms     12.1 ms
-64    39.4 ms     35.7 ms (381 GFLOP/s)
-640   323 ms      323 ms (420 GFLOP/s)
-====  ==========  ======================
+* AVX512-BF16: ``vdpbf16ps`` tiles of 6 rows x 64 outputs;
+* AMX: the same packed weights on the tile unit's ``tdpbf16ps`` (``bf16_tile_amx.h``); every row count takes
+  the tile path, and since AMX rounds its sums otherwise a process never mixes the two;
+* AVX2 and FMA: ``vdpbf16ps``'s arithmetic as multiply-adds (``bf16_tile_avx2.h``), so bf16 weights still
+  read half the bytes of float32 ones.
 
-(``F.linear``, measured earlier: 17.1 / 28.5 / 66.8 ms at 1 / 16 / 64 rows.
-``torch.mm`` of 2048^3 bf16 reaches 411 GFLOP/s on that machine the same day:
-from ~64 rows on the product runs at the CPU's bf16 rate.)
-
-On Intel CPUs with AMX (Sapphire Rapids on), ``bf16_linear`` runs the same packed
-weights on the tile unit's ``tdpbf16ps`` (``bf16_tile_amx.h``): the 120 decoder
-products with cold weights, 2 threads, 64 rows 62 -> 12 ms against the
-``vdpbf16ps`` tiles on the same CPU (whose ``vdpbf16ps`` peaks at ~220 GFLOP/s on
-two cores, its AMX at ~5900).  There every row count takes the tile path, so rows
-stay batch invariant; the bits differ from ``vdpbf16ps``'s (AMX rounds its sums
-otherwise), so a process never mixes the two.
-
-On CPUs with AVX2 and FMA but no AVX512-BF16 (AMD Zen 3), ``bf16_linear`` runs
-``vdpbf16ps``'s arithmetic as multiply-adds (``bf16_tile_avx2.h``), so bf16
-weights read half the bytes of float32 ones.  A 2-core Zen 3, SmolLM2-135M's
-products (GFLOP/s; float32 is the prepacked oneDNN product): at 1 row 25-44
-against 9-25 (memory bound), at 64 rows qkv / o / down 174-184 against
-145-151, gate/up with its SiLU 121-156 against 149-152 without it.
-
-Batch invariance: ``bf16_linear`` accumulates every output over k in order in
-its own lane, so a row has the same bits at any row count.  oneDNN's rows do
-not depend on the rows around them from two rows on, but a single row takes a
-matrix-vector path that rounds differently (float32: always; bf16: seen on the
-1536-wide down projection with the real weights), hence :data:`MIN_ROWS` for
-the oneDNN and ``F.linear`` paths.
+Batch invariance: ``bf16_linear`` accumulates every output over k in order in its own lane, so a row has the
+same bits at any row count.  oneDNN's rows do not depend on the rows around them from two rows on, but a single
+row takes a matrix-vector path that rounds differently, hence :data:`MIN_ROWS` for the oneDNN and ``F.linear``
+paths.  Where each path's time goes: ``docs/performance.md``.
 """
 
 from __future__ import annotations
@@ -138,16 +111,11 @@ class QuantLinear:
 
     * on CPUs with AVX512-VNNI, :func:`.kernels.quant_linear`, llama.cpp's Q4_1 x Q8_1 / Q8_0 x Q8_0
       arithmetic: each row of ``x`` is quantized per block of 32 to int8, and the integer dot products run
-      on ``vpdpbusd``.  Measured on this machine for the 120 decoder products of a SmolLM2-135M step, 4 bits
-      (2 threads): 3.1 / 10.0 / 29.3 ms at 1 / 16 / 64 rows, against 7.3 / 13.4 / 36.7 for bf16 :class:`Linear`
-      (the block scaling's multiply and two multiply-adds share ``vpdpbusd``'s issue slots: 72% of its rate at
-      most, measured by ``fiberserve bench peak``, so ~1.45x bf16 rather than VNNI's 2x);
-    * on CPUs with AVX2 but no AVX512-VNNI (e.g. AMD Zen 3), the same kernel with ``vpmaddubsw`` /
-      ``vpmaddwd`` in place of ``vpdpbusd`` (``quant_tile_avx2.h``; the same bits).  On a 2-core Zen 3:
-      the four decoder shapes at 64 rows ~220-300 GOP/s, the 8-bit head ~120-135 GOP/s (2 threads; PyTorch's
-      int4 kernel below made the engine 40x slower at one row);
-    * elsewhere (4 bits only) PyTorch's weight-only int4 kernel (``_weight_int4pack_mm_for_cpu``,
-      activations in their dtype): 4.4 ms at one row, but 23 ms at 16 rows and 88 ms at 64.
+      on ``vpdpbusd`` (the block scaling shares its issue slots, so the gain over bf16 is below VNNI's 2x);
+    * on CPUs with AVX2 but no AVX512-VNNI, the same kernel with ``vpmaddubsw`` / ``vpmaddwd`` in place of
+      ``vpdpbusd`` (``quant_tile_avx2.h``; the same bits);
+    * elsewhere (4 bits only) PyTorch's weight-only int4 kernel (``_weight_int4pack_mm_for_cpu``, activations
+      in their dtype), which is fast at one row and slow at many.
 
     Both compute each row on its own, so rows are batch invariant like :class:`Linear`'s.
     """

@@ -56,9 +56,8 @@ from fiberserve.model.loader import Checkpoint
 #: Key buffers are padded to a multiple of this many positions (see module docstring).
 KEY_BUCKET = 64
 #: In float32, attention never runs with fewer query rows per problem than this:
-#: thin float32 products take a different (differently rounding) path (measured:
-#: 1 to 3 rows differ from 4+ on this CPU), so a decode row would not match the
-#: same row computed inside a prefill.  bf16 rows match at any count.
+#: thin float32 products take a different (differently rounding) path, so a
+#: decode row would not match the same row computed inside a prefill.  bf16 rows match at any count.
 MIN_QUERY_ROWS = {torch.float32: 8}
 #: How many of the top bf16 logits of a row are recomputed exactly (see ``_refine_top``).
 REFINED_LOGITS = 16

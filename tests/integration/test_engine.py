@@ -428,7 +428,7 @@ async def test_a_new_request_halts_a_multi_step_flight_after_its_current_step(en
         [seq] = long.seqs
         while len(seq.output_ids) < 2:
             await asyncio.sleep(0.01)
-        assert svc.scheduler.multi_step_flights, "the long request should be in a multi-step flight"
+        assert svc.scheduler.multi_step.in_air, "the long request should be in a multi-step flight"
         short = await svc.generate(short_prompt, SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
         assert len(short.outputs[0].token_ids) == 4
         assert not seq.finished and len(seq.output_ids) < 400
@@ -439,7 +439,7 @@ async def test_a_new_request_halts_a_multi_step_flight_after_its_current_step(en
             if svc.is_idle():
                 break
             await asyncio.sleep(0.05)
-        assert svc.is_idle() and svc.pages.used_pages == 0 and not svc.scheduler.multi_step_flights
+        assert svc.is_idle() and svc.pages.used_pages == 0 and not svc.scheduler.multi_step.in_air
         svc.check_integrity()
     finally:
         await svc.close()

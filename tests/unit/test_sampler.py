@@ -254,7 +254,7 @@ def test_drafted_rows_keep_the_distribution_of_plain_decoding():
     """Speculative sampling with prompt-lookup drafts: rows fed a draft draw, ``FlightItem.accept`` keeps picks
     while they equal the draft; the first two tokens then follow the model's own distribution (a Markov chain
     here: each token's logits depend on the token before), whatever the draft."""
-    from fiberserve.engine.runner import FlightItem
+    from fiberserve.engine.flight import FlightItem
 
     vocab = 5
     torch.manual_seed(4)

@@ -228,8 +228,8 @@ struct AmxTiles {
 #endif
 
 // The work is split evenly between the threads, so that no thread waits for another's extra column group (9
-// groups of 64 outputs for the 576-wide products, 15 for the 960-wide qkv: one thread had 5 groups to the
-// other's 4, 10% of those products lost at 64 rows).  One row tile: the column blocks are split (memory
+// groups of 64 outputs for the 576-wide products, 15 for the 960-wide qkv: split by whole groups, one thread
+// would have 5 to the other's 4).  One row tile: the column blocks are split (memory
 // bound, so a narrower group at the edge costs nothing).  More rows: the (column group, row tile) pairs, in
 // group order, are split, so a thread may take part of a group's row tiles.  A row's arithmetic does not depend
 // on its tile, so the split changes no bits.

@@ -47,7 +47,7 @@ struct alignas(64) TileConfig {
 };
 
 // Every tile 16 rows x 64 bytes.  (GCC's _tile_loadconfig tells the compiler it reads 8 bytes of the
-// configuration, so one built on the stack may be stored after the load: measured, a fault.  Hence a constant.)
+// configuration, so one built on the stack may be stored after the load, and the load faults.  Hence a constant.)
 inline void amx_configure() {
   static const TileConfig config = [] {
     TileConfig c;

@@ -1,4 +1,4 @@
-// bf16_gemm.cpp's row tile for CPUs with AVX2 and FMA but no AVX512-BF16 (e.g. AMD Zen 3): the same packed layout
+// bf16_gemm.cpp's row tile for CPUs with AVX2 and FMA but no AVX512-BF16: the same packed layout
 // ([N / 16][K / 2][16][2]) and vdpbf16ps's arithmetic done by hand.
 //
 // vdpbf16ps adds, per float32 lane, the product of the odd bf16 pair members and then that of the even ones (the
@@ -10,11 +10,9 @@
 //
 // Registers: 16 ymm.  A column block's two halves for 5 rows take 10 float sums, the block's weights widened to
 // float32 4 (even and odd k, per half) and a broadcast 1: the tile walks its column blocks one at a time (tiles of
-// one or two rows: 4 or 2 at a time), all its rows at once, into a buffer the epilogue reads.  The rows are widened to float32 once per product, so a broadcast is
-// a plain load (the layout of a BLIS-style 6 x 16 float32 kernel, which ran no faster).  Weights: a column group
-// of 4 blocks is 64 outputs x K bf16 (74 KB at K = 576), read from L2 by each row tile.  One core of a Zen 3,
-// block sums of 64 rows x 64 outputs x 576 from cache: 104 GFLOP/s (4 rows, or broadcasting and widening the
-// bf16 pairs in registers: 77-96; the float32 6 x 16 kernel 106).
+// one or two rows: 4 or 2 at a time), all its rows at once, into a buffer the epilogue reads.  The rows are
+// widened to float32 once per product, so a broadcast is a plain load.  Weights: a column group of 4 blocks is
+// 64 outputs x K bf16, read from L2 by each row tile.
 
 #pragma once
 

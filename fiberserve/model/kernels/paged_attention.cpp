@@ -16,10 +16,8 @@
 //
 // bfloat16 with head_dim 64 or 128 on AVX512-BF16 (kPairs): the dot products run on vdpbf16ps, two exact
 // bf16 products per lane and instruction, with no widening of q or k; the values are widened two dims per
-// lane (shift and mask).  Measured, 30 layers of 9 heads x 64 dims: a 512-row prefill chunk at 2048 keys
-// 1222 -> 725 ms; 64 decode rows x 100 keys 7.3 -> 4.3 ms with the keys in cache, ~10 ms either way from
-// memory (the scattered pages' reads bound it there).  Scores differ from the float32 path in the last bits
-// (another grouping of the sums), the values' sums not at all.
+// lane (shift and mask).  From memory the scattered pages' reads bound it either way.  Scores differ from the
+// float32 path in the last bits (another grouping of the sums), the values' sums not at all.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -47,8 +45,7 @@ constexpr int kMaxChunks = 16;  // head_dim / 16
 constexpr int32_t kShareHeadsKeys = 96;  // fewest keys for which the threads share a row's kv heads (see attend)
 
 template <typename scalar_t>
-// Into L2 (prefetcht1): L1's few miss buffers filled up with prefetcht0 and stalled the loop (measured, 64 rows
-// x 100 keys x 30 layers: 14 ms with prefetcht0, 10 ms with prefetcht1, 16.5 ms without prefetching).
+// Into L2 (prefetcht1): L1's few miss buffers fill up with prefetcht0 and stall the loop.
 inline void prefetch(const scalar_t* first, int64_t count) {
   for (int64_t byte = 0; byte < count * static_cast<int64_t>(sizeof(scalar_t)); byte += 64)
     __builtin_prefetch(reinterpret_cast<const char*>(first) + byte, 0, 2);
@@ -89,9 +86,7 @@ inline f32x16 interleave(f32x16 even, f32x16 odd, int h) {
 // The work of rows: for each kv head, the G query heads sharing it against the row's n keys, read in place
 // through the page table.  kChunks = head_dim / 16 and kGroup = G when fixed at compile time, else 0.  With both
 // fixed, the G x kChunks value sums live in registers; with G known only at run time the compiler kept them on
-// the stack, a load and a store around every multiply-add of the value loop (measured, bf16, 64 rows x 100 keys
-// x 30 layers with the keys in cache, one thread, G = 3: 8.9-9.5 -> 7.9-8.2 ms, and 7.2-7.3 ms with the softmax's
-// maximum taken 16 lanes at a time, vec16.h's max_of; the same bits).
+// the stack, a load and a store around every multiply-add of the value loop.
 template <typename scalar_t, int kChunks, int kGroup = 0>
 struct Attend {
   const scalar_t *q, *k, *v;
@@ -233,9 +228,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
                                        static_cast<float>(scale)};
   // Rows are the work items, unless there are fewer of them than threads (decoding one sequence on two cores)
   // and they have keys enough to be worth sharing: then each (row, kv head) is one, so that the threads share a
-  // row's heads rather than one attending alone while the others wait.  Measured, one row, 9 heads over 3 kv
-  // heads, 2 threads, per layer: 1000 keys 111-144 -> 86 us; 120 keys 17-24 -> 12-19 us; 40 keys 8 -> 8-16 us
-  // (waking the other thread costs more than it saves).
+  // row's heads rather than one attending alone while the others wait (below kShareHeadsKeys, waking the other
+  // threads costs more than it saves).
   const int64_t rows = q.size(0);
   const int32_t* keys = row_keys.data_ptr<int32_t>();
   const bool share_heads =

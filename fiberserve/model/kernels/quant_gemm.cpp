@@ -11,21 +11,19 @@
 // pipes): for Q4_1 a multiply and two multiply-adds per 16 outputs, 3 per 8 vpdpbusd, so 8/11 = 72% of its rate is
 // this arithmetic's ceiling (`fiberserve bench peak`, "int8 in Q4_1 blocks"); the 6 x 2 tile runs at it with its
 // data in L1.  For Q8_0 the integer sums start at -128 * sum(xq) (a broadcast, free) instead of 0, which leaves a
-// multiply and one multiply-add: 8/10.  (It used to be computed as Q4_1 with m = -128 d, a third operation.)
+// multiply and one multiply-add: 8/10.
 //
 // Layout, per 16 output features: 8 bits as [N / 16][K / 4][16][4] bytes (one 64-byte load is a 4-input step of
 // 16 outputs); 4 bits as [N / 16][K / 32][4][16][4] bytes, the low nibble for inputs 4j..4j+3 of a block and the
 // high nibble for inputs 16+4j..16+4j+3 (one load holds two steps).  d and m: float16 [N / 16][K / 32][16], as
 // llama.cpp stores them (a quarter of the bytes of 4-bit weights, where float32 would be half).
 // Every row tile unpacks the nibbles in registers (a mask, a shift and a mask per load: integer operations that
-// run beside vpdpbusd at no cost).  Unpacking a column group once into a byte buffer for all its row tiles, as
-// this kernel did before, was slower at every row count: it adds stores and reads twice the bytes back (the four
-// decoder products at M = 16 / 64 / 512: 459-473 -> 535-539, 563-565 -> 593-594, 592 -> 598-602 GOP/s).
+// run beside vpdpbusd at no cost), rather than once per column group into a byte buffer: that would add stores
+// and read twice the bytes back.
 //
-// Weights arrive from memory (a decode step reads every layer's once: 75 MB of 4-bit decoder weights and the
-// 8-bit output head's 32 MB do not stay in cache), so each thread prefetches its next column group's weights,
-// scales and mins a few lines per row tile, and the group's first tile does not wait for them.  64 rows: the
-// output head 7.6-7.9 -> 6.8-7.0 ms; 30 layers of decoder products 25.2-25.6 -> 24.6-24.9 ms.
+// Weights arrive from memory (a decode step reads every layer's once, more than the caches hold), so each thread
+// prefetches its next column group's weights, scales and mins a few lines per row tile, and the group's first
+// tile does not wait for them.
 //
 // Batch invariance: a row is quantized on its own, and each output is accumulated block by block in order in its
 // own lane, so a row gets the same bits alone, in any batch, at any row count.
@@ -158,8 +156,7 @@ inline __m512 stored(__m512 y, const float*) { return y; }
 // MR rows x NR column blocks.  kNibbles: w holds 4-bit weights (unpacked here); otherwise one byte per weight.
 // kGated (NR = 2): block 0 holds gate outputs and block 1 the matching up outputs (see GateUp in linear.py); the
 // tile writes silu(gate) * up, one block, each input rounded to out_t first as a separate product and silu_mul
-// would see it.  Kept out of line: inlined into its column loop, the compiler allocated the 24 accumulators worse
-// (a 64-row step 39 -> 44 ms, a 516-row prefill 206 -> 243 ms).
+// would see it.  Kept out of line: inlined into its column loop, the compiler allocates the 24 accumulators worse.
 template <int MR, int NR, bool kNibbles, bool kGated, typename out_t>
 [[gnu::noinline]] void tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, int64_t w_stride, const c10::Half* d,
                  const c10::Half* m, int64_t dm_stride, const float* bias, out_t* out, int64_t ldo) {

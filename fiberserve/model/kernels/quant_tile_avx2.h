@@ -1,4 +1,4 @@
-// quant_gemm.cpp's row quantization and row tile for CPUs with AVX2 but no AVX512-VNNI (e.g. AMD Zen 3): the same
+// quant_gemm.cpp's row quantization and row tile for CPUs with AVX2 but no AVX512-VNNI: the same
 // packed layout and the same arithmetic, giving the same bits as the AVX-512 tile.
 //
 // There is no vpdpbusd.  vpmaddubsw multiplies 32 unsigned weight bytes by 32 signed activation bytes and adds
@@ -14,8 +14,8 @@
 //
 // Registers: 16 ymm.  A column block's two halves for 2 rows take 4 float sums, 4 int16 sums, 4 unpacked weight
 // vectors and 2 broadcasts, so the tile walks its rows 2 at a time and its column blocks one at a time (the group's
-// weights stay in L1 between the passes), into a buffer the epilogue reads.  4 rows a pass (the float sums on the
-// stack) measured no faster for 4 bits and slower for 8 (the output head at 64 rows: 30 against 23-26 ms).
+// weights stay in L1 between the passes), into a buffer the epilogue reads (with 4 rows a pass the float sums
+// would not fit in registers).
 
 #pragma once
 

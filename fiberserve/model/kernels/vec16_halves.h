@@ -1,9 +1,8 @@
 // vec16.h's 16-lane types on CPUs without AVX-512: each a pair of 8-lane halves (one AVX2 register each).
 //
-// Why not the 64-byte vector-extension types there: GCC (12) lowers them poorly without AVX-512.  Comparisons
+// Why not the 64-byte vector-extension types there: GCC lowers them poorly without AVX-512.  Comparisons
 // and selects became scalar code lane by lane, a scalar times a vector went through 16 stores to the stack, and
-// every variable of the type lived in memory (paged attention's loops were two thirds moves: 64 rows x 100 keys
-// x 30 layers took 58 ms on a Zen 3 core pair; the gated products' SiLU epilogue was 30% of their time).  A
+// every variable of the type lived in memory (paged attention's loops were mostly moves).  A
 // struct of two halves lives in two registers, and its operations are the 16-lane ones half by half: lane l is
 // lane l of `lo` (l < 8) or lane l - 8 of `hi`, with the same arithmetic per lane, so results keep their bits.
 

@@ -1,48 +1,16 @@
-"""The scheduler's multi-step flights (policy 4): when they fly, how far, and how their steps land (no model)."""
+"""The scheduler's multi-step flights (policy 4) and drafts (policy 5): when they fly, how far, and how their steps
+land (no model)."""
 
 from __future__ import annotations
 
+from fiberserve.engine.flight import FlightResult
 from fiberserve.engine.kvcache import PagePool
-from fiberserve.engine.runner import FlightResult
+from fiberserve.engine.multi_step import MULTI_STEP_MAX_SEQUENCES
 from fiberserve.engine.sampling_params import SamplingParams
-from fiberserve.engine.scheduler import MULTI_STEP_MAX_SEQUENCES, Scheduler
-from fiberserve.engine.sequence import Sequence, Status
+from fiberserve.engine.scheduler import Scheduler
+from fiberserve.engine.sequence import Status
 from fiberserve.engine.speculation import EXPLORE_EVERY, MIN_FLIGHTS, DraftSwitch
-from fiberserve.model.tokenizer import IncrementalDetokenizer
-
-EOS = 3
-GREEDY = SamplingParams(max_new_tokens=20, temperature=0)
-
-
-class CharTokenizer:
-    """Token id i is the character chr(i)."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
-
-
-def sequence(params: SamplingParams = GREEDY, prompt: str = "hello") -> Sequence:
-    ids = [ord(c) for c in prompt]
-    return Sequence("r", 0, ids, params, IncrementalDetokenizer(CharTokenizer(), ids), frozenset({EOS}), 1000)
-
-
-def result(items, *tokens: int) -> FlightResult:
-    """What a runner that picked ``tokens`` (one per item) returns."""
-    return FlightResult([[(t, None)] for t in tokens], [[] for _ in tokens], items)
-
-
-def land(scheduler: Scheduler, flight, tokens: list[int]) -> None:
-    """Land ``flight`` as a runner that picked ``tokens`` (one per item) would."""
-    scheduler.on_flight_done(flight, result(flight.items, *tokens))
-
-
-def decoding(scheduler: Scheduler, *seqs: Sequence) -> None:
-    """Admit ``seqs`` and land their prefill, so that each has one output token and decodes next."""
-    for seq in seqs:
-        scheduler.add(seq)
-    prefill = scheduler.next_flight()
-    assert prefill.steps == 1
-    land(scheduler, prefill, [ord("!")] * len(seqs))
+from tests.unit.scheduling import EOS, GREEDY, decoding, land, result, sequence
 
 
 def test_plain_decodes_fly_several_steps_bounded_by_the_remaining_tokens():
@@ -51,7 +19,7 @@ def test_plain_decodes_fly_several_steps_bounded_by_the_remaining_tokens():
     decoding(scheduler, short, long)
     flight = scheduler.next_flight()
     assert flight.steps == 3  # short has 3 tokens left
-    assert scheduler.multi_step_flights == [flight]
+    assert scheduler.multi_step.in_air == [flight]
     for item in flight.items:  # pages reserved for every step
         assert len(item.pages) * 4 >= item.start + flight.steps
     scheduler.check_integrity()
@@ -85,7 +53,7 @@ def test_steps_stop_where_the_free_pages_end_and_nobody_is_preempted():
     # 8 steps would need positions 5..12, 4 pages each; the 2 pages each holds cover positions up to 7
     assert flight.steps == 3
     assert pages.free_pages == 1  # not taken by a reservation that could not be met whole
-    assert other.status is Status.RUNNING and len(other.pages) == 2 and scheduler.preemptions == 0
+    assert other.status is Status.IN_FLIGHT and len(other.pages) == 2 and scheduler.preemptions == 0
     scheduler.check_integrity()
 
 
@@ -107,7 +75,7 @@ def test_steps_land_in_order_a_new_arrival_halts_the_flight_and_a_stop_waits_for
     scheduler.on_flight_done(flight, result(items, ord("z"), ord("r")))
     assert a.finished and a.text == "!" and a.output_ids == [ord(c) for c in "!xy"]
     assert b.output_ids == [ord(c) for c in "!pqr"] and b.num_computed == b.num_tokens - 1
-    assert not scheduler.multi_step_flights and not b.in_flight  # a's token after its stop was dropped
+    assert not scheduler.multi_step.in_air and not b.in_flight  # a's token after its stop was dropped
     scheduler.check_integrity()
 
 
@@ -134,7 +102,7 @@ def test_a_greedy_decode_carries_a_draft_and_keeps_what_the_model_agrees_with():
     scheduler, seq = drafting()  # tokens "abcabca": the last 3 occurred at 1, then came "bca" (and it repeats)
     flight = scheduler.next_flight()
     [item] = flight.items
-    assert flight.steps == 1 and not scheduler.multi_step_flights
+    assert flight.steps == 1 and not scheduler.multi_step.in_air
     assert item.draft == tuple(map(ord, "bcab")) and (item.start, item.length) == (6, 5)
     assert len(item.pages) * 4 >= item.start + item.length and item.sample_rows == 5
     # the model picks b after a (= the draft's first), c after b (= its second), then x where the draft has a
