@@ -100,7 +100,7 @@ def _add_fields(parser: argparse.ArgumentParser, cls) -> None:
         hint = hints[f.name]
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         base = args[0] if args else hint
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = f.default if isinstance(f.default_factory, dataclasses._MISSING_TYPE) else f.default_factory()
         shown = "" if f.name in SECRET or default is None else f" (default: {default})"
         kwargs: dict = {"dest": f.name, "default": argparse.SUPPRESS, "help": HELP.get(f.name, "") + shown}
         if f.name in CHOICES:

@@ -143,11 +143,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
     ]
     missing = []
     llama = P.llama_server(args.port + 1, gguf, peers_dir, slots=top)
-    (servers.append(llama) if llama else missing.append("llama-server (run scripts/peers/build_llama_server.sh)"))
+    if llama:
+        servers.append(llama)
+    else:
+        missing.append("llama-server (run scripts/peers/build_llama_server.sh)")
     vllm_python = peers_dir / "vllm-venv" / "bin" / "python"
     if vllm_python.exists():
         hf_dir = P.write_hf_directory(gguf, cache / "smollm2-hf")
-        servers.append(P.vllm_server(args.port + 2, str(hf_dir), peers_dir, max_seqs=top))
+        vllm = P.vllm_server(args.port + 2, str(hf_dir), peers_dir, max_seqs=top)
+        assert vllm is not None, "the vLLM venv exists"
+        servers.append(vllm)
     else:
         missing.append("vLLM (run scripts/peers/install_vllm.sh)")
     # Round after round, each server in turn: a slow spell of this VM lands on every server's figures

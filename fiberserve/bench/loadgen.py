@@ -321,7 +321,7 @@ async def run_load(spec: LoadSpec) -> LoadResult:
         tpot_p99_ms=_percentile(tpots, 99),
         e2e_p50_ms=_percentile([s.latency for s in ok], 50),
         e2e_p99_ms=_percentile([s.latency for s in ok], 99),
-        first_errors=[s.error for s in samples if not s.ok][:3],
+        first_errors=[s.error or "" for s in samples if not s.ok][:3],
     )
 
 

@@ -7,7 +7,7 @@
 //   int8  vpdpbusd    zmm:  16 lanes x 4 multiply-adds  = 128 integer ops
 //   amx_bf16  tdpbf16ps:  16 x 16 outputs x 32 multiply-adds = 16384 FLOP (AMX tiles; 6 accumulator tiles)
 //
-// And the rate llama.cpp's block arithmetic allows (Q4_1 weights x Q8_1 activations, as quant_gemm.cpp runs it):
+// And the rate llama.cpp's block arithmetic allows (Q4_1 weights x Q8_1 activations, as linear_quant.cpp runs it):
 //
 //   q4_1  per 32 inputs of a 16-output accumulator: 8 vpdpbusd, then the block's scaling: convert the int32
 //         sums, multiply the weight scale by the activation scale, and two multiply-adds.  Counted as the
@@ -52,7 +52,7 @@ double chains_per_second(Step step, Vec init, int64_t iterations) {
 }
 
 #if defined(__AVX512VNNI__)
-// kChains accumulators (6 rows x 2 column blocks, like quant_gemm.cpp's tile), one block of 32 inputs per
+// kChains accumulators (6 rows x 2 column blocks, like linear_quant.cpp's tile), one block of 32 inputs per
 // iteration.  The scales are loaded from memory every block, as the kernel does, so nothing is hoisted.
 double q4_1_ops_per_second(int64_t iterations) {
   alignas(64) float weight_scale[2][16], weight_min[2][16], row_scale[6], row_sum[6];

@@ -34,7 +34,8 @@ PRIOR_KEPT, PRIOR_CHECKED, ACCEPTANCE_DECAY = 1.0, 2.0, 0.9
 
 
 class TokenSource(Protocol):
-    num_tokens: int
+    @property
+    def num_tokens(self) -> int: ...
 
     def token_slice(self, start: int, end: int) -> list[int]: ...
 

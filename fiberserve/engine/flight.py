@@ -110,7 +110,7 @@ class Flight:
     steps: int = 1
     #: Called on the worker with each step's result but the last (which the invocation returns); it must hand
     #: the result to the host's loop.  Needed when ``steps`` > 1.
-    on_step: Callable[[FlightResult], object] | None = None
+    on_step: Callable[[FlightResult], object] = lambda result: None
     #: Set by the host: run no further step (new work waits to board, or the flight has failed).
     halted: bool = False
     #: Set by the host once the flight has landed or failed; a step handed over after that is dropped.

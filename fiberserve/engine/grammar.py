@@ -57,7 +57,7 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self._tokenizer, self._vocab_size = tokenizer, vocab_size
-        self._compiler = None
+        self._compiler: Any = None  #: xgrammar's GrammarCompiler, made on first use
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
 

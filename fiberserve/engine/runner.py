@@ -47,7 +47,11 @@ class ModelRunner:
         into tensors once: tensor ops per item would cost more than the step's sampling.  Its logit rows are, item
         by item, the rows scoring prompt tokens (``scored_prompt``), then the picking rows (``sample_rows``)."""
         page_size = self.page_size
-        tokens, positions, write_slots, spans, logit_rows = [], [], [], [], []
+        tokens: list[int] = []
+        positions: list[int] = []
+        write_slots: list[int] = []
+        spans: list[SequenceSpan] = []
+        logit_rows: list[int] = []
         row = 0
         for item in items:
             end = item.start + item.length
@@ -79,7 +83,8 @@ class ModelRunner:
         if self.free_cores is not None and (threads := self.free_cores()) != self.threads:
             torch.set_num_threads(threads)  # the kernels' rows do not depend on the team's size
             self.threads = threads
-        items, publish = flight.items, None
+        items: list[FlightItem] = flight.items
+        publish: Callable[[], object] | None = None
         for _ in range(flight.steps - 1):
             result = self.step(items, publish)
             if flight.ends_after(result):
@@ -100,7 +105,8 @@ class ModelRunner:
         scoring = any(item.scored_prompt for item in items)
         scored: list[list[TokenLogprob]] = [[] for _ in items]
         if not scoring and sampling and all(seq.params.argmax_only for seq in sampling):  # no logits written
-            picked = iter([(token, None) for token in self.model.greedy(batch, self.cache)])
+            greedy: list[tuple[int, TokenLogprob | None]] = [(t, None) for t in self.model.greedy(batch, self.cache)]
+            picked = iter(greedy)
         else:
             logits = self.model.forward(batch, self.cache)
             if scoring:
@@ -112,7 +118,7 @@ class ModelRunner:
     @staticmethod
     def _score_prompts(items: list[FlightItem], logits: torch.Tensor, scored: list[list[TokenLogprob]]) -> torch.Tensor:
         """Fill ``scored`` with each item's prompt logprobs; return the sampling rows' logits."""
-        row, sampling_rows = 0, []
+        row, sampling_rows = 0, list[int]()
         for i, item in enumerate(items):
             positions = item.scored_prompt
             if positions:

@@ -173,7 +173,7 @@ class Scheduler:
         for item in flight.items:
             seq = item.seq
             if seq.finishing is not None:
-                self.finish(seq, seq.finish_reason, seq.finishing)
+                self._finish_ended(seq)
             elif seq.abort_requested:
                 self.finish(seq, FinishReason.ABORT)
             elif seq.max_tokens <= 0 and seq.num_computed == seq.num_tokens:  # a prompt scored, nothing to add
@@ -190,7 +190,9 @@ class Scheduler:
             seq = item.seq
             if seq.finishing is not None or seq.finished:
                 continue
-            if scored:  # a recompute after preemption scores the same positions again, to the same values
+            if (
+                scored and seq.prompt_logprobs is not None
+            ):  # a recompute after preemption scores the same positions again, to the same values
                 first = item.scored_prompt.start + 1
                 seq.prompt_logprobs[first : first + len(scored)] = scored
             kept = 0
@@ -220,10 +222,15 @@ class Scheduler:
         for item in flight.items:
             seq = item.seq
             if seq.finishing is not None:  # it ended at an earlier step of the flight
-                self.finish(seq, seq.finish_reason, seq.finishing)
+                self._finish_ended(seq)
                 continue
             seq.error = f"{type(error).__name__}: {error}"
             self.finish(seq, FinishReason.ABORT if seq.abort_requested else FinishReason.ERROR)
+
+    def _finish_ended(self, seq: Sequence) -> None:
+        """Finish a sequence that ended in the air, the way it ended, with the final event it kept."""
+        assert seq.finish_reason is not None, "a sequence that ends knows why"
+        self.finish(seq, seq.finish_reason, seq.finishing)
 
     def finish(self, seq: Sequence, reason: FinishReason, event: SequenceEvent | None = None) -> None:
         """End ``seq`` with ``reason``: release its pages and tell its consumer (exactly once)."""

@@ -30,7 +30,7 @@ import torch
 
 from fiberserve.config import EngineConfig
 from fiberserve.engine.faults import FaultInjector
-from fiberserve.engine.flight import Flight
+from fiberserve.engine.flight import Flight, FlightResult
 from fiberserve.engine.grammar import GrammarCompiler, GrammarState
 from fiberserve.engine.kvcache import PagePool
 from fiberserve.engine.runner import ModelRunner
@@ -195,7 +195,7 @@ class LlmService:
             name="llama-forward",
         )
         self.pool: FiberPool | None = None
-        self._wake: asyncio.Event | None = None
+        self._wake = asyncio.Event()  #: set when there may be work to board
         self._loop_task: asyncio.Task | None = None
         self._flights: set[asyncio.Task] = set()
         self._request_ids = itertools.count()
@@ -225,7 +225,6 @@ class LlmService:
 
     async def start(self) -> None:
         self.pool = FiberPool(self.config.fibers, device=self.config.device, name="fiber")
-        self._wake = asyncio.Event()
         self._loop_task = asyncio.create_task(self._batch_loop(), name="fiberserve-batcher")
 
     async def close(self) -> None:
@@ -251,10 +250,15 @@ class LlmService:
                 flight = self.scheduler.next_flight()
                 if flight is None:
                     break
-                flight.on_step = functools.partial(loop.call_soon_threadsafe, self.scheduler.on_step, flight)
+                flight.on_step = functools.partial(self._land_step, loop, flight)
                 self._flights.add(asyncio.create_task(self._fly(flight)))
 
+    def _land_step(self, loop: asyncio.AbstractEventLoop, flight: Flight, result: FlightResult) -> None:
+        """Called on the worker with a step of a multi-step flight: land it on the event loop."""
+        loop.call_soon_threadsafe(self.scheduler.on_step, flight, result)
+
     async def _fly(self, flight: Flight) -> None:
+        assert self.pool is not None, "flights fly once the service has started"
         try:
             async with self.pool.acquire() as fiber:
                 result = await self.program.invoke(fiber, flight, timeout=self.config.invocation_timeout)

@@ -136,14 +136,15 @@ class Speculation:
         of r rows over these sequences takes ``pass_times[len(items)].estimate(r)``.  Draft tokens are taken
         likeliest first while they fit the budget, and the flight keeps the count with the highest (sampled tokens
         + expected kept) / time."""
-        proposals = []
+        proposals, acceptance = [], []
         for item in items:
             seq = item.seq
             room = min(self.limit, seq.max_tokens - len(seq.output_ids) - 1)
             proposals.append(self._propose(item, room) if item.decodes_freely else [])
+            acceptance.append(seq.drafter.acceptance if seq.drafter else 0.0)
         candidates = sorted(
-            (-(item.seq.drafter.acceptance ** (i + 1)), i, index)
-            for index, (item, draft) in enumerate(zip(items, proposals, strict=True))
+            (-(acceptance[index] ** (i + 1)), i, index)
+            for index, draft in enumerate(proposals)
             for i in range(len(draft))
         )[: max(0, budget)]
         rows, times = sum(item.length for item in items), self.pass_times[len(items)]
@@ -162,8 +163,8 @@ class Speculation:
     def _propose(self, item: FlightItem, k: int) -> list[int]:
         """The item's sequence's draft of up to ``k`` tokens (its lookup index is made on first use)."""
         seq = item.seq
-        seq.drafter = seq.drafter or PromptLookup(self.limit)
-        return seq.drafter.propose(seq, k)
+        drafter = seq.drafter = seq.drafter or PromptLookup(self.limit)
+        return drafter.propose(seq, k)
 
     def observe_step(self, result: FlightResult) -> None:
         """Learn a landed step's pass time, and count its drafts."""

@@ -198,6 +198,8 @@ def gguf_config(reader) -> ModelConfig:
     if get("rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
     eos = [_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id")]
+    if vocab is None:
+        raise ValueError("the GGUF file has neither a vocabulary size nor a token list")
     names = {t.name for t in reader.tensors}
     return ModelConfig(
         architecture=arch,

@@ -6,9 +6,9 @@ call; reordering once at load time (``mkldnn._reorder_linear_weight``) and calli
 Where the CPU allows, bf16 weights go to :func:`.kernels.bf16_linear` instead, weights packed once:
 
 * AVX512-BF16: ``vdpbf16ps`` tiles of 6 rows x 64 outputs;
-* AMX: the same packed weights on the tile unit's ``tdpbf16ps`` (``bf16_tile_amx.h``); every row count takes
+* AMX: the same packed weights on the tile unit's ``tdpbf16ps`` (``tiles/linear_bf16_amx.h``); every row count takes
   the tile path, and since AMX rounds its sums otherwise a process never mixes the two;
-* AVX2 and FMA: ``vdpbf16ps``'s arithmetic as multiply-adds (``bf16_tile_avx2.h``), so bf16 weights still
+* AVX2 and FMA: ``vdpbf16ps``'s arithmetic as multiply-adds (``tiles/linear_bf16_avx2.h``), so bf16 weights still
   read half the bytes of float32 ones.
 
 Batch invariance: ``bf16_linear`` accumulates every output over k in order in its own lane, so a row has the
@@ -113,7 +113,7 @@ class QuantLinear:
       arithmetic: each row of ``x`` is quantized per block of 32 to int8, and the integer dot products run
       on ``vpdpbusd`` (the block scaling shares its issue slots, so the gain over bf16 is below VNNI's 2x);
     * on CPUs with AVX2 but no AVX512-VNNI, the same kernel with ``vpmaddubsw`` / ``vpmaddwd`` in place of
-      ``vpdpbusd`` (``quant_tile_avx2.h``; the same bits);
+      ``vpdpbusd`` (``tiles/linear_quant_avx2.h``; the same bits);
     * elsewhere (4 bits only) PyTorch's weight-only int4 kernel (``_weight_int4pack_mm_for_cpu``, activations
       in their dtype), which is fast at one row and slow at many.
 
@@ -207,7 +207,7 @@ class GateUp:
         self.silu_kernel = silu_kernel
         chunk = _gate_chunk(gate, quantization, dtype) if silu_kernel else None
         self.gated = chunk is not None
-        weight = kernels.interleave_gate_up(gate, up, chunk) if self.gated else torch.cat([gate, up])
+        weight = kernels.interleave_gate_up(gate, up, chunk) if chunk is not None else torch.cat([gate, up])
         self.product = make_linear(weight, None, quantization, dtype)
         self.min_rows = self.product.min_rows
 

@@ -287,10 +287,10 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.embed = w["model.embed_tokens.weight"].to(device=self.device, dtype=dtype)
-        head = w.get("lm_head.weight")
-        tied = head is None or config.tie_word_embeddings
+        untied = w.get("lm_head.weight")
+        tied = untied is None or config.tie_word_embeddings
+        head = w["model.embed_tokens.weight"] if tied or untied is None else untied
         self.lm_head = self.embed if tied else head.to(self.device, dtype)
-        head = w["model.embed_tokens.weight"] if tied else head
         head_bits = 8 if quantization != "none" and quant_kernel_available() else 4  # llama.cpp's Q8_0 output head
         self.logits = make_linear(head.to(self.device), None, quantization, dtype, head_bits)
         self.norm = w["model.norm.weight"].to(device=self.device, dtype=torch.float32)
@@ -316,14 +316,19 @@ class LlamaModel:
         self.native_layers = self._native_layer_tensors() if self.fused else None
 
     def _native_layer_tensors(self) -> tuple[list, list, list, list, list] | None:
-        norms, weights, scales, mins, biases = [], [], [], [], []
+        norms: list[torch.Tensor] = []
+        weights: list[torch.Tensor] = []
+        scales: list[torch.Tensor | None] = []
+        mins: list[torch.Tensor | None] = []
+        biases: list[torch.Tensor | None] = []
+        into_lists: tuple[list, ...] = (weights, scales, mins, biases)
         for layer in self.layers:
             norms += [layer.attn_norm, layer.mlp_norm]
             for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 tensors = linear.kernel_tensors()
                 if tensors is None:
                     return None
-                for into, tensor in zip((weights, scales, mins, biases), tensors, strict=True):
+                for into, tensor in zip(into_lists, tensors, strict=True):
                     into.append(tensor)
         return norms, weights, scales, mins, biases
 
@@ -389,8 +394,8 @@ class LlamaModel:
             plan = _KernelPlan.build(batch, cache.page_size, tokens.numel())
             self._layers_fused(h, positions, write_slots, cache, plan)
         else:
-            plan = _AttentionPlan.build(batch, cache.page_size, self.min_query_rows, self.dtype, self.device)
-            h = self._layers_generic(h, positions, write_slots, cache, plan)
+            generic = _AttentionPlan.build(batch, cache.page_size, self.min_query_rows, self.dtype, self.device)
+            h = self._layers_generic(h, positions, write_slots, cache, generic)
         return F.rms_norm(h[batch.logit_rows.to(self.device)], (self.config.hidden_size,), self.norm, self.eps)
 
     def _layers_fused(self, h, positions, write_slots, cache: KVCache, plan: _KernelPlan) -> None:

@@ -38,7 +38,7 @@ def create_app(
     """The app; loads the model in the background unless ``service`` is given (``/health`` says 503 meanwhile).
     A load that fails calls ``on_load_failure`` unless ``config.stay_up_on_load_failure``."""
     state = ServerState(config)
-    state.metrics = Metrics(state)
+    metrics = state.metrics = Metrics(state)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -56,14 +56,15 @@ def create_app(
     app.include_router(native_api.router)
     app.include_router(openai_api.router)
     app.include_router(tokenize_api.router)
-    app.add_exception_handler(ApiError, handle_api_error)
-    app.add_exception_handler(RequestValidationError, handle_validation_error)
+    # Starlette types a handler's exception as Exception; each of these is only called with its own class.
+    app.add_exception_handler(ApiError, handle_api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, handle_validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, handle_unexpected)
     app.add_exception_handler(StarletteHTTPException, handle_http_error)
 
     @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def serve_metrics(request: Request) -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     if config.cors_origins:
         app.add_middleware(
@@ -128,7 +129,7 @@ def run_server(config: ServerConfig) -> int:
         port=config.port,
         log_level=config.log_level,
         access_log=False,
-        timeout_graceful_shutdown=config.shutdown_timeout,
+        timeout_graceful_shutdown=config.shutdown_timeout,  # type: ignore[arg-type]  # uvicorn takes fractions too
     )
     server = GracefulServer(uvicorn_config)
     server.run()

@@ -54,7 +54,8 @@ def parse_calls(body: str) -> list[PartialCall] | None:
     except json.JSONDecodeError:
         return None
     calls = [_call(w) for w in (written if isinstance(written, list) and written else [written])]
-    return None if any(call is None for call in calls) else calls
+    parsed = [call for call in calls if call is not None]
+    return parsed if len(parsed) == len(calls) else None
 
 
 def _call_end(text: str, begin: int, strings: JsonStrings) -> tuple[int, int]:
@@ -113,7 +114,8 @@ class HermesStream:
 
     def feed(self, text: str) -> tuple[str, list[PartialCall]]:
         self.pending += text
-        content, calls = [], []
+        content: list[str] = []
+        calls: list[PartialCall] = []
         while True:
             if self.in_call:
                 end, self.read = _call_end(self.pending, self.read, self.strings)

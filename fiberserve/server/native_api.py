@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fiberserve import __version__
 from fiberserve.engine import InvalidParameter
 from fiberserve.engine import Request as EngineRequest
-from fiberserve.engine.sequence import Sequence, TokenLogprob
+from fiberserve.engine.sequence import FinishReason, Sequence, TokenLogprob
 from fiberserve.engine.service import CompletionOutput, completion_of
 from fiberserve.model.tokenizer import Tokenizer
 from fiberserve.server.errors import ApiError, error_body, from_engine
@@ -182,7 +182,7 @@ class LogprobAsk:
 
 
 def _meta(req: EngineRequest, comp: CompletionOutput, logprob: LogprobAsk, started: float) -> dict:
-    meta = {
+    meta: dict[str, object] = {
         "id": req.id if len(req.seqs) == 1 else f"{req.id}-{comp.index}",
         "finish_reason": finish_reason(comp),
         "prompt_tokens": len(req.prompt_ids),
@@ -218,9 +218,9 @@ def _prompts(state: ServerState, body: GenerateRequest) -> tuple[list[list[int]]
         if not texts:
             raise ApiError(400, "text: the list is empty", "text")
         return [state.encode(t, "text") for t in texts], isinstance(body.text, list)
-    ids = body.input_ids
+    ids = body.input_ids or []
     batched = bool(ids) and isinstance(ids[0], list)
-    prompts = ids if batched else [ids]
+    prompts: list[list[int]] = ids if batched else [ids]  # type: ignore[assignment,list-item]
     if not prompts or any(not p for p in prompts):
         raise ApiError(400, "input_ids: must not be empty", "input_ids")
     return prompts, batched
@@ -271,7 +271,7 @@ async def _stream(
         events = []  # every event of the batch in one write
         for seq, event in batch:
             req, index = index_of[seq.uid]
-            if event.finished and seq.finish_reason.value == "error":
+            if event.finished and seq.finish_reason is FinishReason.ERROR:
                 body = error_body(f"request {req.id} failed: {seq.error}", "server_error")
                 events.append(f"data: {json.dumps(body)}\n\n")
                 continue

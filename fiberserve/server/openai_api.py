@@ -7,18 +7,19 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fiberserve.engine import InvalidParameter
 from fiberserve.engine import Request as EngineRequest
-from fiberserve.engine.sequence import TokenLogprob
+from fiberserve.engine.sequence import FinishReason, Sequence, TokenLogprob
 from fiberserve.engine.service import CompletionOutput, RequestOutput
 from fiberserve.server.errors import ApiError, error_body, from_engine
 from fiberserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from fiberserve.server.state import ServerState
-from fiberserve.server.tools import ToolCallRenderer, template_tools
+from fiberserve.server.tools import NamedToolChoice, ToolCallRenderer, template_tools
 
 router = APIRouter(prefix="/v1")
 
@@ -38,6 +39,12 @@ def _state(request: Request) -> ServerState:
 
 def _finish(comp: CompletionOutput) -> str | None:
     return {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}.get(comp.finish_reason)
+
+
+def _reason(seq: Sequence) -> str:
+    """A finished sequence's finish reason as the API names it."""
+    assert seq.finish_reason is not None, "a finished sequence has a reason"
+    return seq.finish_reason.value
 
 
 def _usage(requests: list[EngineRequest]) -> dict:
@@ -64,8 +71,8 @@ async def models(request: Request) -> dict:
                 "object": "model",
                 "created": 0,
                 "owned_by": "fiberserve",
-                "root": state.service.model_path,
-                "max_model_len": state.service.max_context,  # vLLM's field: clients size prompts by it
+                "root": state.ready_service().model_path,
+                "max_model_len": state.ready_service().max_context,  # vLLM's field: clients size prompts by it
             }
         ],
     }
@@ -74,7 +81,7 @@ async def models(request: Request) -> dict:
 def _completion_logprobs(state: ServerState, lps: list[TokenLogprob], first: int | None = None) -> dict:
     """The legacy completions' logprobs of ``lps``; ``first``: an echoed prompt's first token, which has none.
     Each position's ``top_logprobs`` holds the most likely tokens and the chosen one, as OpenAI and vLLM give them."""
-    decode = state.service.tokenizer.decode
+    decode = state.ready_service().tokenizer.decode
     unscored = [] if first is None else [decode([first])]
     tops = [{decode([t]): v for t, v in [*lp.top, (lp.token_id, lp.logprob)]} for lp in lps]
     return {
@@ -86,7 +93,7 @@ def _completion_logprobs(state: ServerState, lps: list[TokenLogprob], first: int
 
 
 def _chat_logprobs(state: ServerState, lps: list[TokenLogprob]) -> dict:
-    decode = state.service.tokenizer.decode
+    decode = state.ready_service().tokenizer.decode
 
     def entry(token: int, value: float) -> dict:
         text = decode([token])
@@ -112,8 +119,7 @@ async def _serve(
     rids = [render.id] if len(prompts) == 1 else [f"{render.id}-{i}" for i in range(len(prompts))]
     requests = state.submit(request, prompts, params, rids, names)
     if stream:
-        stream = render.stream(state, request, requests, include_usage)
-        return StreamingResponse(stream, media_type="text/event-stream")
+        return StreamingResponse(render.stream(state, request, requests, include_usage), media_type="text/event-stream")
     outputs = await state.collect(request, requests)
     if outputs is None:
         return Response(status_code=499)  # the client left; nobody reads this
@@ -140,7 +146,8 @@ class _Completions:
         if self.echo is not None:
             text = self.echo[index // len(output.outputs)] + text
             if comp.prompt_logprobs is not None:
-                lps, first = comp.prompt_logprobs[1:] + lps, output.prompt_token_ids[0]
+                scored = cast(list[TokenLogprob], comp.prompt_logprobs[1:])  # every position after the first
+                lps, first = scored + lps, output.prompt_token_ids[0]
         logprobs = _completion_logprobs(state, lps, first) if self.logprobs else None
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": _finish(comp)}
 
@@ -178,12 +185,12 @@ class _Completions:
         async for batch in state.merged_events(requests, http):
             events = []  # every event of the batch in one write
             for seq, event in batch:
-                if event.finished and seq.finish_reason.value == "error":
+                if event.finished and seq.finish_reason is FinishReason.ERROR:
                     body = error_body(f"request {seq.request_id} failed: {seq.error}", "server_error")
                     events.append(f"data: {json.dumps(body)}\n\n")
                     continue
                 index = prompt_index[seq.uid] * n + seq.index
-                choice = self.delta_choice(index, event.delta, seq.finish_reason.value if event.finished else None)
+                choice = self.delta_choice(index, event.delta, _reason(seq) if event.finished else None)
                 if choice is None:
                     continue  # text held back (a stop string may be starting): its tokens' logprobs come later
                 if self.logprobs:
@@ -268,7 +275,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     echo = None
     if body.echo:  # the prompts as given; token ids as their text
         texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt[0], str) else None
-        echo = texts or [state.service.tokenizer.decode(p, params.skip_special_tokens) for p in prompts]
+        echo = texts or [state.ready_service().tokenizer.decode(p, params.skip_special_tokens) for p in prompts]
     render = _Completions(params.logprobs, echo)
     return await _serve(request, state, prompts, params, _OPENAI_NAMES, body.stream, include_usage, render)
 
@@ -287,6 +294,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         params = dataclasses.replace(params, skip_special_tokens=False)
     prompt = state.encode_chat(body.messages, tools=template_tools(body.tools))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    named = body.tool_choice.function.name if tool_mode == "named" else None
+    choice = body.tool_choice
+    named = choice.function.name if tool_mode == "named" and isinstance(choice, NamedToolChoice) else None
     render = _ChatCompletions(params.logprobs, ToolCallRenderer(tool_mode, named) if tool_mode else None)
     return await _serve(request, state, [prompt], params, _CHAT_NAMES, body.stream, include_usage, render)

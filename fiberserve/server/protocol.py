@@ -80,7 +80,7 @@ class SamplingFields(Lenient):
         if not given:
             return None
         key = given[0]
-        if key == "response_format":
+        if key == "response_format" and response_format is not None:
             return _response_format_grammar(response_format)
         value = getattr(self, key)
         if key == "guided_choice":
@@ -246,9 +246,10 @@ class ChatMessage(Lenient):
     def text(self) -> str:
         if isinstance(self.content, list):
             parts = [p.get("text") for p in self.content if p.get("type") == "text"]
-            if len(parts) != len(self.content) or not all(isinstance(p, str) for p in parts):
+            texts = [p for p in parts if isinstance(p, str)]
+            if len(texts) != len(self.content):
                 raise InvalidParameter("messages", "only text content parts are supported")
-            return "".join(parts)
+            return "".join(texts)
         return self.content or ""
 
 

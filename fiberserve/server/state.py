@@ -15,6 +15,7 @@ from fiberserve.config import ServerConfig
 from fiberserve.engine import InvalidParameter, LlmService, Request, RequestOutput, SamplingParams
 from fiberserve.engine.sequence import Sequence, SequenceEvent
 from fiberserve.server.errors import ApiError, from_engine
+from fiberserve.server.metrics import Metrics
 from fiberserve.server.protocol import ChatMessage, chat_messages
 
 T = TypeVar("T")
@@ -34,7 +35,7 @@ class RequestDisconnected(Exception):
 class ServerState:
     config: ServerConfig
     service: LlmService | None = None
-    metrics: object | None = None
+    metrics: Metrics | None = None
     load_error: str | None = None
     #: Requests being served, for shutdown and leak checks.
     active: set[Request] = field(default_factory=set)
@@ -103,7 +104,7 @@ class ServerState:
 
         Their sequences are counted as they finish, by the scheduler's finish listener.
         """
-        service = self.service
+        service = self.ready_service()
         for r in requests:
             if r not in self.active:
                 continue

@@ -28,9 +28,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     state.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "prompt: give either a prompt or messages", "prompt")
-    if body.messages is None:
+    if body.prompt is not None:
         tokens = service.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    else:
+    elif body.messages is not None:
         tokens = state.encode_chat(body.messages, body.add_generation_prompt, template_tools(body.tools))
     return {"count": len(tokens), "max_model_len": service.max_context, "tokens": tokens}
 

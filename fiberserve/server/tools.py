@@ -127,7 +127,7 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def tool_call(index: int | None, name: str, arguments: str) -> dict:
+def tool_call(index: int | None, name: str | None, arguments: str) -> dict:
     """One entry of a message's ``tool_calls`` (with its ``index``, as a streamed delta carries it)."""
     call = {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
     return call if index is None else {"index": index, **call}
@@ -167,10 +167,10 @@ class ToolCallRenderer:
         if self.mode == "named":
             call = tool_call(None, self.name, JsonSpacing().feed(text))
             return {"role": "assistant", "content": None, "tool_calls": [call]}, finish
-        calls = required_calls(text)
-        if calls is None:  # cut short: what there is, as text
+        required = required_calls(text)
+        if required is None:  # cut short: what there is, as text
             return {"role": "assistant", "content": text}, finish
-        tool_calls = [tool_call(None, c.name, c.arguments) for c in calls]
+        tool_calls = [tool_call(None, c.name, c.arguments) for c in required]
         message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
         return message, _called(finish)
 

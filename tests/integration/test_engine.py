@@ -30,7 +30,7 @@ async def test_batch_consistency_float32(engine, alone_fp32, fibers, max_batch_t
     """16 prompts at once give every prompt the tokens it gets alone.
 
     In float32 a row's matrix products may round differently inside a batch
-    (see MEASUREMENTS.md), so where tokens ever differ the logprobs at the first
+    (oneDNN's paths: see model/linear.py), so where tokens ever differ the logprobs at the first
     difference must agree within 1e-4: a near tie, not a corrupted row.
     """
     batched = await engine.run(

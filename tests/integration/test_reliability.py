@@ -416,6 +416,7 @@ def _rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+@pytest.mark.soak
 def test_three_minute_mixed_soak(server):
     """Streaming, non-streaming, aborted and batched requests for 3 minutes: no growth, no leaks."""
     duration, warmup = 180.0, 30.0

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from fiberserve.model import kernels
 
-CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split())
+#: The instruction sets the kernels were built for and this CPU runs (``FIBERSERVE_KERNEL_ARCH`` may narrow them).
+ISA = kernels.target_isa() & set(Path("/proc/cpuinfo").read_text().split())
 
 kernels.load()
 PAGE = 4
@@ -146,12 +147,24 @@ def test_silu_mul(dtype):
     assert torch.equal(kernels.silu_mul(gate_up[1:2])[0], out[1])
 
 
-def test_bf16_linear_is_built_where_the_cpu_has_avx512_bf16_or_avx2():
-    assert kernels.bf16_gemm_available() == ("avx512_bf16" in CPU_FLAGS or {"avx2", "fma"} <= CPU_FLAGS)
+def test_the_target_follows_the_override_and_names_its_build(monkeypatch):
+    monkeypatch.setenv(kernels.ARCH_ENV, "x86-64-v3")
+    kernels.target_isa.cache_clear()
+    try:
+        assert kernels.target_arch() == "x86-64-v3"
+        assert kernels.target_isa() == {"avx2", "fma", "f16c"}
+        monkeypatch.delenv(kernels.ARCH_ENV)
+        assert kernels.target_arch() == "native"
+    finally:
+        kernels.target_isa.cache_clear()
+
+
+def test_bf16_linear_is_built_where_the_target_has_avx512_bf16_or_avx2():
+    assert kernels.bf16_gemm_available() == ("avx512_bf16" in ISA or {"avx2", "fma"} <= ISA)
 
 
 @pytest.mark.skipif(
-    not kernels.bf16_gemm_available() or "avx512_bf16" in CPU_FLAGS,
+    not kernels.bf16_gemm_available() or "avx512_bf16" in ISA,
     reason="checks the AVX2 tile; vdpbf16ps rounds as the hardware does",
 )
 def test_bf16_linear_on_avx2_adds_each_pair_odd_then_even_as_vdpbf16ps_pseudo_code():
@@ -198,7 +211,7 @@ def test_bf16_linear_matches_float32_and_rows_are_exact_at_any_count():
 
 @pytest.mark.skipif(not kernels.bf16_gemm_available(), reason="this CPU has neither AVX512-BF16 nor AVX2")
 def test_bf16_linear_runs_on_amx_tiles_exactly_where_the_cpu_has_them():
-    assert kernels.bf16_amx() == ("amx_bf16" in CPU_FLAGS and "avx512_bf16" in CPU_FLAGS)
+    assert kernels.bf16_amx() == ("amx_bf16" in ISA and "avx512_bf16" in ISA)
 
 
 @pytest.mark.skipif(not kernels.bf16_amx(), reason="this CPU has no AMX tiles")
@@ -238,8 +251,8 @@ def test_bf16_linear_on_amx_tiles_keeps_every_row_exact_at_any_count():
     assert torch.equal(kernels.bf16_linear(x, packed, bias, torch.float32), wide)
 
 
-def test_quant_linear_is_built_where_the_cpu_has_avx512_vnni_or_avx2():
-    assert kernels.quant_gemm_available() == ("avx512_vnni" in CPU_FLAGS or {"avx2", "f16c"} <= CPU_FLAGS)
+def test_quant_linear_is_built_where_the_target_has_avx512_vnni_or_avx2():
+    assert kernels.quant_gemm_available() == ("avx512_vnni" in ISA or {"avx2", "f16c"} <= ISA)
 
 
 def quantized_rows(x: torch.Tensor) -> torch.Tensor:

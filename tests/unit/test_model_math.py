@@ -385,3 +385,21 @@ def test_configs_written_by_the_installed_transformers_are_read_whole(tmp_path, 
     assert (config.rope_scaling or {}).get("rope_type", "default") == rope["rope_type"]
     ours = logits_of(LlamaModel(load_checkpoint(path, progress=False)), TOKENS * 3)
     torch.testing.assert_close(ours, hf_logits(path, TOKENS * 3), atol=1e-4, rtol=0)
+
+
+def test_a_model_the_kernels_do_not_take_runs_the_generic_path_faithfully(tmp_path):
+    """Head size 12 is not a multiple of the kernels' 16 lanes: the model runs PyTorch's attention and products
+    (the path other devices take), and still matches transformers, batched or alone, prefilled in chunks or whole."""
+    cfg = {**TINY, "hidden_size": 48, "intermediate_size": 96}
+    path = write_hf(tmp_path / "m", cfg, random_weights(cfg, seed=6))
+    model = LlamaModel(load_checkpoint(path, progress=False))
+    assert not model.fused and model.native_layers is None
+    tokens = TOKENS * 2
+    whole = logits_of(model, tokens)
+    torch.testing.assert_close(whole, hf_logits(path, tokens), atol=1e-4, rtol=0)
+    cache = KVCache(model.config, 16, PAGE, torch.float32, "cpu")
+    other = TOKENS[:5]
+    first = model.forward(prefill_batch([(tokens[:9], [3, 1, 4]), (other, [0, 2])]), cache)
+    rest = model.forward(prefill_batch([(tokens, [3, 1, 4, 5, 6, 7])], start=[9]), cache)
+    torch.testing.assert_close(torch.cat([first[:9], rest]), whole, atol=1e-4, rtol=0)
+    torch.testing.assert_close(first[9:], logits_of(model, other), atol=1e-4, rtol=0)

@@ -47,6 +47,14 @@ class Recorder:
             self.active -= 1
 
 
+async def until(condition, timeout: float = 10.0) -> None:
+    """Wait, without a guessed delay, until ``condition()`` holds (it is checked as the loop turns)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        await asyncio.sleep(0.001)
+
+
 class Tracker:
     def __init__(self):
         self.lock = threading.Lock()
@@ -115,7 +123,7 @@ async def test_per_fiber_concurrent_invocations_on_one_fiber_raise(tracker):
     fiber = new_fiber()
     program = Program(lambda f: Recorder(f, tracker), Isolation.PER_FIBER, name="llm")
     first = asyncio.create_task(program.invoke(fiber, 0.2))
-    await asyncio.sleep(0.01)
+    await until(lambda: tracker.running == 1)
     with pytest.raises(ConcurrentInvocationError) as info:
         await program.invoke(fiber, 0.0)
     assert not first.done()  # refused while the first still runs: it did not wait for it
@@ -234,7 +242,7 @@ async def test_exception_inside_acquire_returns_the_fiber(pool):
         async with p.acquire():
             raise KeyError("boom")
     task = asyncio.create_task(_hold_forever(p))
-    await asyncio.sleep(0.01)
+    await until(lambda: p.stats().busy == 1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -258,7 +266,7 @@ async def test_pool_grows_up_to_its_maximum(pool):
             await gate.wait()
 
     tasks = [asyncio.create_task(hold()) for _ in range(5)]
-    await asyncio.sleep(0.01)
+    await until(lambda: p.stats().waiters == 2)
     s = p.stats()
     assert (s.size, s.busy, s.waiters) == (3, 3, 2)
     gate.set()
@@ -310,7 +318,7 @@ async def test_caller_cancelled_mid_invocation_holds_the_fiber_until_the_call_la
             return await program.invoke(fiber, delay)
 
     first = asyncio.create_task(call(0.1))
-    await asyncio.sleep(0.02)
+    await until(lambda: tracker.running == 1)
     first.cancel()
     second = asyncio.create_task(call(0.0))
     with pytest.raises(asyncio.CancelledError):

@@ -6,20 +6,26 @@
 * :func:`decoder_layers`: the whole loop over the layers in C++ when every product runs on this extension's
   kernels (no Python frame or dispatcher call per kernel).
 
-Every kernel computes a row from that row alone, in a fixed order (``vec16.h``), so the rows are batch
+Every kernel computes a row from that row alone, in a fixed order (``simd/vec16.h``), so the rows are batch
 invariant in every dtype.  The sources are plain C++ with GCC/Clang vector extensions (intrinsics only for
 instructions they cannot spell: the products' tiles, vdpbf16ps); ``-march=native`` picks AVX-512 where the
-CPU has it, and elsewhere the 16-lane vectors are pairs of 8-lane halves (``vec16_halves.h``: GCC compiles
+CPU has it, and elsewhere the 16-lane vectors are pairs of 8-lane halves (``simd/vec16_halves.h``: GCC compiles
 the 64-byte vector type to scalar code there).
 
-:func:`load` builds them (about 30 s the first time; later processes reuse the build under
+:func:`load` builds them once per machine (a minute or two; later processes reuse the build under
 ``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``) and registers ``torch.ops.fiberserve.*``.  It needs
-a C++ compiler (g++ or clang++); ninja comes with the project's dependencies.
+a C++ compiler (g++ or clang++); ninja comes with the project's dependencies.  The build targets this CPU
+(``-march=native``) unless ``FIBERSERVE_KERNEL_ARCH`` names another target (e.g. ``x86-64-v3``: AVX2 and FMA
+only), so one machine can build and test the paths of CPUs it is not.  Which file holds which op, for which
+instruction sets, and which test covers it: ``README.md`` here.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import os
+import subprocess
 import threading
 from pathlib import Path
 
@@ -27,19 +33,22 @@ import torch
 
 from fiberserve.model.config import ModelConfig
 
+_HERE = Path(__file__).parent
 _SOURCES = [
-    Path(__file__).with_name(name)
+    _HERE / name
     for name in (
-        "ops.cpp",
+        "registration.cpp",
         "paged_attention.cpp",
-        "fused_ops.cpp",
-        "bf16_gemm.cpp",
-        "quant_gemm.cpp",
+        "elementwise.cpp",
+        "linear_bf16.cpp",
+        "linear_quant.cpp",
         "top_k.cpp",
-        "decoder.cpp",
+        "decoder_layers.cpp",
     )
 ]
-_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
+_HEADERS = sorted(_HERE.rglob("*.h"))
+#: The environment variable that overrides the compiler's target (``-march``); unset: this CPU.
+ARCH_ENV = "FIBERSERVE_KERNEL_ARCH"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _lock = threading.Lock()
 _loaded = False
@@ -56,15 +65,50 @@ def load() -> None:
         # The build is named after its sources and headers: checkouts of different versions on one machine
         # (a clone next to a working tree) each keep their own build instead of rebuilding over the other's,
         # and a changed header rebuilds too (PyTorch itself only watches the sources and flags).
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in [*_SOURCES, *_HEADERS])).hexdigest()[:16]
+        # The target is part of the name too, so builds for different targets live side by side.
+        sources = b"".join(p.read_bytes() for p in [*_SOURCES, *_HEADERS])
+        digest = hashlib.sha256(sources + target_arch().encode()).hexdigest()[:16]
         load_extension(
             name=f"fiberserve_kernels_{digest}",
             sources=[str(s) for s in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", f"-march={target_arch()}", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(_HERE)],
             is_python_module=False,
         )
         _loaded = True
+
+
+def target_arch() -> str:
+    """The compiler's target for the kernels: ``$FIBERSERVE_KERNEL_ARCH``, or ``native`` (this CPU)."""
+    return os.environ.get(ARCH_ENV, "").strip() or "native"
+
+
+#: The compiler's macros for the instruction sets the kernels choose between, by their /proc/cpuinfo names.
+_ISA_MACROS = {
+    "__AVX2__": "avx2",
+    "__FMA__": "fma",
+    "__F16C__": "f16c",
+    "__AVX512F__": "avx512f",
+    "__AVX512BF16__": "avx512_bf16",
+    "__AVX512VNNI__": "avx512_vnni",
+    "__AMX_BF16__": "amx_bf16",
+}
+
+
+@functools.cache
+def target_isa() -> frozenset[str]:
+    """The instruction sets the kernels are compiled for (as /proc/cpuinfo names them): those of
+    :func:`target_arch` according to the compiler, which for ``native`` are this CPU's."""
+    compiler = os.environ.get("CXX", "c++")
+    macros = subprocess.run(
+        [compiler, f"-march={target_arch()}", "-dM", "-E", "-x", "c++", "/dev/null"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    defined = {line.split()[1] for line in macros.splitlines() if line.startswith("#define ")}
+    return frozenset(flag for macro, flag in _ISA_MACROS.items() if macro in defined)
 
 
 def loaded() -> bool:
@@ -186,7 +230,7 @@ def quant_pack(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weights in blocks of 32 inputs for :func:`quant_linear`: ``q`` uint8 [N, K] (N % 16 == 0, K % 32 == 0),
     below ``2 ** bits`` (4 or 8), and the blocks' ``scales`` and ``mins`` [N, K / 32] (``w = scale * q + min``,
-    stored in float16) -> (weights, scales, mins) in the kernel's layout (see ``quant_gemm.cpp``).
+    stored in float16) -> (weights, scales, mins) in the kernel's layout (see ``linear_quant.cpp``).
 
     8 bits are Q8_0 blocks, the signed q stored as q + 128: ``mins`` must be ``-128 * scales``, and the kernel
     computes the offset in integers, so the mins returned are empty."""
@@ -283,7 +327,7 @@ def decoder_layers(
     [layers, slots, KVH, D]: per layer ``add_rms_norm``, qkv, ``rope_store``, ``paged_attention``, o,
     ``add_rms_norm``, gated gate/up (SiLU x up in its epilogue), down, then the last layer's MLP output is added
     to ``h``.  Each gate/up product also pulls the next layer's keys and values (the pages the rows will read)
-    into cache as its tiles run (``prefetch.h``), so that layer's attention does not wait for memory.
+    into cache as its tiles run (``simd/prefetch.h``), so that layer's attention does not wait for memory.
 
     ``attention``: (pages, row_span, row_keys, page_size, scale) as for :func:`paged_attention`.  ``layers``:
     flat lists (norms: 2 per layer; weights, scales, mins, biases: 4 per layer, in the order qkv, o, gate/up,

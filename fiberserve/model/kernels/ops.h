@@ -1,4 +1,4 @@
-// The ops of the fiberserve extension (registered as torch.ops.fiberserve.* in ops.cpp).
+// The ops of the fiberserve extension (registered as torch.ops.fiberserve.* in registration.cpp).
 
 #pragma once
 
@@ -25,7 +25,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 
 bool bf16_gemm_available();
 
-// Whether bf16_linear runs on AMX tiles (bf16_tile_amx.h) in this process; allow >= 0 first allows (1) or forbids
+// Whether bf16_linear runs on AMX tiles (tiles/linear_bf16_amx.h) in this process; allow >= 0 first allows (1) or forbids
 // (0) them, for comparisons.  Forbidding changes the products' bits: switch before a model runs, not while.
 bool bf16_amx(int64_t allow);
 
@@ -45,11 +45,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
 
 struct PrefetchPlan;
 
-// bf16_linear that also pulls `plan`'s memory into cache while its tiles run (see prefetch.h); plan may be null.
+// bf16_linear that also pulls `plan`'s memory into cache while its tiles run (see simd/prefetch.h); plan may be null.
 at::Tensor bf16_linear_prefetching(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                                    at::ScalarType out_dtype, bool gated, const PrefetchPlan* plan);
 
-// quant_linear that also pulls `plan`'s memory into cache while its tiles run (see prefetch.h); plan may be null.
+// quant_linear that also pulls `plan`'s memory into cache while its tiles run (see simd/prefetch.h); plan may be null.
 at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                    const at::Tensor& mins, const std::optional<at::Tensor>& bias,
                                    at::ScalarType out_dtype, bool gated, const PrefetchPlan* plan);

@@ -23,7 +23,7 @@
 #include <ATen/Parallel.h>
 
 #include "ops.h"
-#include "vec16.h"
+#include "simd/vec16.h"
 
 #include <algorithm>
 #include <cmath>

@@ -18,7 +18,7 @@
 
 #include "ops.h"
 #include "top_k.h"
-#include "vec16.h"
+#include "simd/vec16.h"
 
 namespace fiberserve {
 namespace {

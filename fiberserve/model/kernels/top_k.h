@@ -8,7 +8,7 @@
 #include <limits>
 #include <vector>
 
-#include "vec16.h"
+#include "simd/vec16.h"
 
 namespace fiberserve {
 

@@ -1,5 +1,5 @@
 // Fused CPU ops for a decoder layer: each replaces a chain of small PyTorch ops (one dispatch and one pass over
-// memory instead of 3 to 9), and each computes a row from that row alone (see vec16.h).
+// memory instead of 3 to 9), and each computes a row from that row alone (see simd/vec16.h).
 //
 //   add_rms_norm  residual += delta (float32, in place; delta in the model dtype or float32); returns
 //                 rms_norm(residual) * weight in the model dtype
@@ -14,7 +14,7 @@
 #include <optional>
 
 #include "ops.h"
-#include "vec16.h"
+#include "simd/vec16.h"
 
 namespace fiberserve {
 namespace {
@@ -80,7 +80,7 @@ void rope_store_rows(const at::Tensor& qkv, const at::Tensor& positions, const a
   });
 }
 
-// silu(g) * u (vec16.h: silu_times).
+// silu(g) * u (simd/vec16.h: silu_times).
 template <typename scalar_t>
 void silu_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, int64_t width) {
   at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {

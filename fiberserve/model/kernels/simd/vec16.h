@@ -1,5 +1,5 @@
 // 16-lane float32 vectors for the CPU kernels (GCC/Clang vector extensions, no intrinsics: one AVX-512 register,
-// or on other CPUs two 8-lane halves, vec16_halves.h), and the loads, stores and reductions the kernels share.
+// or on other CPUs two 8-lane halves, simd/vec16_halves.h), and the loads, stores and reductions the kernels share.
 // Code on these types writes a lane-wise choice as select(mask, a, b) and a conversion as convert<To>(v), which
 // both representations provide.
 //
@@ -55,7 +55,7 @@ inline void store_vector(void* p, V v) {
 }  // namespace fiberserve
 
 #if !defined(__AVX512F__)
-#include "vec16_halves.h"  // the same types as two 8-lane halves, and the shuffles below for them
+#include "simd/vec16_halves.h"  // the same types as two 8-lane halves, and the shuffles below for them
 #endif
 
 namespace fiberserve {
@@ -75,7 +75,7 @@ inline f32x16 load16(const c10::Half* p) {
   return load16(wide);
 }
 
-#if defined(__AVX512F__)  // (vec16_halves.h has these for the halves)
+#if defined(__AVX512F__)  // (simd/vec16_halves.h has these for the halves)
 // The sum of the 16 lanes in a fixed order (a halving tree: lane l += lane l + 8, then + 4, + 2, + 1): the same
 // bits wherever it runs.
 inline float lane_sum(f32x16 v) {

@@ -28,7 +28,7 @@
 // Batch invariance: a row is quantized on its own, and each output is accumulated block by block in order in its
 // own lane, so a row gets the same bits alone, in any batch, at any row count.
 //
-// Compiled where the compiler targets AVX512-VNNI, or AVX2 (quant_tile_avx2.h); quant_gemm_available() says whether it was.
+// Compiled where the compiler targets AVX512-VNNI, or AVX2 (tiles/linear_quant_avx2.h); quant_gemm_available() says whether it was.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -37,12 +37,12 @@
 #include <vector>
 
 #include "ops.h"
-#include "prefetch.h"
-#include "row_tiles.h"
+#include "simd/prefetch.h"
+#include "tiles/row_tiles.h"
 #include "top_k.h"
-#include "vec16.h"
+#include "simd/vec16.h"
 
-// The row tiles: AVX512-VNNI's below, or AVX2's (quant_tile_avx2.h, the same bits); the rest of the file serves both.
+// The row tiles: AVX512-VNNI's below, or AVX2's (tiles/linear_quant_avx2.h, the same bits); the rest of the file serves both.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define FIBERSERVE_QUANT_TILES 512
 #include <immintrin.h>
@@ -77,7 +77,7 @@ struct QuantizedRows {
 }  // namespace fiberserve
 
 #if FIBERSERVE_QUANT_TILES == 256
-#include "quant_tile_avx2.h"
+#include "tiles/linear_quant_avx2.h"
 #endif
 
 namespace fiberserve {

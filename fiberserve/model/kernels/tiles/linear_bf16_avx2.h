@@ -1,4 +1,4 @@
-// bf16_gemm.cpp's row tile for CPUs with AVX2 and FMA but no AVX512-BF16: the same packed layout
+// linear_bf16.cpp's row tile for CPUs with AVX2 and FMA but no AVX512-BF16: the same packed layout
 // ([N / 16][K / 2][16][2]) and vdpbf16ps's arithmetic done by hand.
 //
 // vdpbf16ps adds, per float32 lane, the product of the odd bf16 pair members and then that of the even ones (the
@@ -18,7 +18,7 @@
 
 #include <immintrin.h>
 
-#include "tile_store.h"
+#include "tiles/store_avx2.h"
 
 namespace fiberserve {
 namespace {
@@ -77,7 +77,7 @@ template <int MR, int NB>
       for (int h = 0; h < 2; ++h) _mm256_store_ps(result + r * ldr + kBlock * b + 8 * h, acc[b][r][h]);
 }
 
-// The AVX-512 tile's contract (see bf16_gemm.cpp): MR rows x NR blocks of the product, plus bias, to out; kGated:
+// The AVX-512 tile's contract (see linear_bf16.cpp): MR rows x NR blocks of the product, plus bias, to out; kGated:
 // the first NR / 2 blocks are gate outputs and the others the matching up outputs, written as silu(gate) * up.
 template <int MR, int NR, bool kGated, typename out_t>
 [[gnu::noinline]] void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs, int64_t block_stride,

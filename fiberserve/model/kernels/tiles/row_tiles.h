@@ -1,4 +1,4 @@
-// Rows in tiles of a compile-time height, for the products' kernels (bf16_gemm.cpp, quant_gemm.cpp): a tile's
+// Rows in tiles of a compile-time height, for the products' kernels (linear_bf16.cpp, linear_quant.cpp): a tile's
 // height is a template parameter, so its accumulators live in registers, and the last tile of a product takes
 // whatever rows are left.
 
@@ -25,7 +25,7 @@ inline void last_tile(int64_t rows, int64_t r, const Tile& tile) {
 // Packed (kBalanced false): tiles of kRows rows and one last tile of the 1..kRows-1 rows left (if any), and
 // after_full() after each full tile.  Balanced: ceil(rows / kRows) tiles whose heights differ by one at most (16
 // rows at kRows = 5: 4 + 4 + 4 + 4, not 5 + 5 + 5 + 1), for tiles that a row or two leave waiting on their few
-// sums' latency (bf16_tile_avx2.h), and after_full() after each.
+// sums' latency (tiles/linear_bf16_avx2.h), and after_full() after each.
 template <int kRows, bool kBalanced = false, typename Tile, typename AfterFull>
 inline void for_each_row_tile(int64_t r, int64_t end, const Tile& tile, const AfterFull& after_full) {
   if constexpr (kBalanced) {

@@ -1,4 +1,4 @@
-// quant_gemm.cpp's row quantization and row tile for CPUs with AVX2 but no AVX512-VNNI: the same
+// linear_quant.cpp's row quantization and row tile for CPUs with AVX2 but no AVX512-VNNI: the same
 // packed layout and the same arithmetic, giving the same bits as the AVX-512 tile.
 //
 // There is no vpdpbusd.  vpmaddubsw multiplies 32 unsigned weight bytes by 32 signed activation bytes and adds
@@ -21,7 +21,7 @@
 
 #include <immintrin.h>
 
-#include "tile_store.h"
+#include "tiles/store_avx2.h"
 
 namespace fiberserve {
 namespace {
@@ -129,7 +129,7 @@ inline void half_tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, co
   }
 }
 
-// The AVX-512 tile's contract (see quant_gemm.cpp): MR rows x NR column blocks of the product, plus bias, to out.
+// The AVX-512 tile's contract (see linear_quant.cpp): MR rows x NR column blocks of the product, plus bias, to out.
 template <int MR, int NR, bool kNibbles, bool kGated, typename out_t>
 [[gnu::noinline]] void tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, int64_t w_stride, const c10::Half* d,
                             const c10::Half* m, int64_t dm_stride, const float* bias, out_t* out, int64_t ldo) {

@@ -7,8 +7,8 @@
 // any batch and at any row count (no one-row special path, unlike oneDNN's matrix-vector kernel).
 //
 // Speed (2 cores, SmolLM2-135M's 120 decoder products per step, bf16): see fiberserve/model/linear.py.
-// The row tiles: AMX's (bf16_tile_amx.h, tdpbf16ps on 16-row tiles) where the CPU has them and Linux grants them,
-// else AVX512-BF16's below, or AVX2's (bf16_tile_avx2.h, vdpbf16ps's arithmetic by multiply-adds); the rest of the
+// The row tiles: AMX's (tiles/linear_bf16_amx.h, tdpbf16ps on 16-row tiles) where the CPU has them and Linux grants them,
+// else AVX512-BF16's below, or AVX2's (tiles/linear_bf16_avx2.h, vdpbf16ps's arithmetic by multiply-adds); the rest of the
 // file serves all three.  bf16_gemm_available() says whether any was compiled, bf16_amx() whether AMX runs.
 
 #include <ATen/ATen.h>
@@ -20,19 +20,19 @@
 #include <vector>
 
 #include "ops.h"
-#include "prefetch.h"
-#include "row_tiles.h"
+#include "simd/prefetch.h"
+#include "tiles/row_tiles.h"
 #include "top_k.h"
-#include "vec16.h"
+#include "simd/vec16.h"
 
 #if defined(__AVX512BF16__)
 #define FIBERSERVE_BF16_TILES 512
 #include <immintrin.h>
 
-#include "bf16_tile_amx.h"
+#include "tiles/linear_bf16_amx.h"
 #elif defined(__AVX2__) && defined(__FMA__)
 #define FIBERSERVE_BF16_TILES 256
-#include "bf16_tile_avx2.h"
+#include "tiles/linear_bf16_avx2.h"
 #endif
 
 namespace fiberserve {
@@ -65,7 +65,7 @@ inline __m512 stored(__m512 y, const float*) { return y; }
 
 // MR rows x NR blocks.  kGated: the first NR / 2 blocks are gate outputs and the others the matching up outputs
 // (see GateUp in linear.py); the tile writes silu(gate) * up, NR / 2 blocks, each input rounded to out_t first as
-// a separate product and silu_mul would see it.  Kept out of line, as in quant_gemm.cpp.
+// a separate product and silu_mul would see it.  Kept out of line, as in linear_quant.cpp.
 template <int MR, int NR, bool kGated, typename out_t>
 [[gnu::noinline]] void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pairs, int64_t block_stride,
                  const float* bias, out_t* out, int64_t ldo) {
@@ -200,7 +200,7 @@ void blocks_of(const Row* x, int64_t rows, int64_t ldx, const uint16_t* w, int64
   }
 }
 
-// A product's row tiles: the vdpbf16ps (or AVX2) tiles above, kRows rows each, or AMX's (bf16_tile_amx.h), 16
+// A product's row tiles: the vdpbf16ps (or AVX2) tiles above, kRows rows each, or AMX's (tiles/linear_bf16_amx.h), 16
 // rows each.  Scope: what a thread's share of a product holds while it runs (AMX: the tile configuration).
 struct VectorTiles {
   static constexpr int64_t kHeight = kRows;

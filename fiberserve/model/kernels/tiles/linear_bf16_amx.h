@@ -1,4 +1,4 @@
-// bf16_gemm.cpp's tiles on AMX (Intel's tile registers, tdpbf16ps): 16 rows x 64 output features per tile.
+// linear_bf16.cpp's tiles on AMX (Intel's tile registers, tdpbf16ps): 16 rows x 64 output features per tile.
 //
 // The packed weight's layout, [N / 16][K / 2][16][2], is already AMX's: 16 k-pairs of one block of 16 outputs are
 // 16 lines of 64 bytes, one B tile.  A tile of x is 16 rows x 32 k (64 bytes of each row), read in place; the

@@ -1,11 +1,11 @@
-// The AVX2 tiles' epilogue (bf16_tile_avx2.h, quant_tile_avx2.h): a tile's float32 sums, which it leaves in a
+// The AVX2 tiles' epilogue (tiles/linear_bf16_avx2.h, tiles/linear_quant_avx2.h): a tile's float32 sums, which it leaves in a
 // buffer, plus bias, to the product's output.
 
 #pragma once
 
 #include <cstdint>
 
-#include "vec16.h"
+#include "simd/vec16.h"
 
 namespace fiberserve {
 

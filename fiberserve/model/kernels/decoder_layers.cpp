@@ -12,7 +12,7 @@
 #include <algorithm>
 
 #include "ops.h"
-#include "prefetch.h"
+#include "simd/prefetch.h"
 
 namespace fiberserve {
 namespace {

@@ -1,4 +1,4 @@
-// vec16.h's 16-lane types on CPUs without AVX-512: each a pair of 8-lane halves (one AVX2 register each).
+// simd/vec16.h's 16-lane types on CPUs without AVX-512: each a pair of 8-lane halves (one AVX2 register each).
 //
 // Why not the 64-byte vector-extension types there: GCC lowers them poorly without AVX-512.  Comparisons
 // and selects became scalar code lane by lane, a scalar times a vector went through 16 stores to the stack, and
@@ -128,7 +128,7 @@ inline float lane_sum(f32x16 v) {
   return s[0];
 }
 
-// vec16.h's lane_sums16 (see there), its rounds on halves: each output half of a round comes from one input
+// simd/vec16.h's lane_sums16 (see there), its rounds on halves: each output half of a round comes from one input
 // vector, its lanes paired as the 16-lane shuffles pair them.
 inline f32x16 lane_sums16(const f32x16 (&v)[16]) {
   // Round 1: w[i] = [v[2i] (l + l+8) | v[2i+1] (l + l+8)].
