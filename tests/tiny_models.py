@@ -141,3 +141,117 @@ def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], qtype=No
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+#: Tiny configs of the architectures beyond Llama, as the installed transformers writes them (its own classes).
+ARCHITECTURES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16}),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16},
+    ),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+}
+
+
+def write_transformers_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
+    """A tiny ``arch`` model made by transformers itself, every parameter random (norms too), saved as it saves."""
+    import transformers
+
+    config_class, model_class, extra = ARCHITECTURES[arch]
+    shape = {k: TINY[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads")}
+    num_layers = 6 if arch == "gemma3" else 4  # Gemma 3: five sliding-window layers, then a global one
+    config = getattr(transformers, config_class)(
+        **shape,
+        num_hidden_layers=num_layers,
+        num_key_value_heads=TINY["num_key_value_heads"],
+        max_position_embeddings=TINY["max_position_embeddings"],
+        bos_token_id=1,
+        eos_token_id=2,
+        **{**extra, **overrides},
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.08)
+    model.save_pretrained(str(path))
+    return path
+
+
+def write_gguf_like_llama_cpp(path: Path, hf_dir: Path) -> Path:
+    """The GGUF file llama.cpp's converter writes for a Qwen3, Gemma 2/3 or Phi-3 directory: its metadata keys, its
+    tensor names, Gemma's norms stored as 1 + w, Phi-3's projections fused, nothing permuted."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"])
+    weights = {k: v.float() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    H, KVH = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // H
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention") or rope
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(H)
+    w.add_head_count_kv(KVH)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if arch.startswith("gemma"):
+        w.add_sliding_window(cfg["sliding_window"])
+    if cfg.get("attn_logit_softcapping"):
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+    if cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    names = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "self_attn.qkv_proj": "attn_qkv",
+        "mlp.gate_up_proj": "ffn_up",
+    }
+    if arch.startswith("gemma"):
+        names |= {
+            "post_attention_layernorm": "post_attention_norm",
+            "pre_feedforward_layernorm": "ffn_norm",
+            "post_feedforward_layernorm": "post_ffw_norm",
+        }
+    else:
+        names["post_attention_layernorm"] = "ffn_norm"
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    top["lm_head.weight"] = "output.weight"
+    for name, value in weights.items():
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            value = value + 1
+        if name in top:
+            if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+                continue
+            gguf_name = top[name]
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            base, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{names[base]}.{kind}"
+        w.add_tensor(gguf_name, np.ascontiguousarray(value.numpy(), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

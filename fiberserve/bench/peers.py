@@ -147,7 +147,7 @@ def write_hf_directory(gguf: str, target: Path) -> Path:
     from fiberserve.model.loader import load_checkpoint
     from fiberserve.model.tokenizer import load_tokenizer
 
-    ck = load_checkpoint(gguf, progress=False)
+    ck = load_checkpoint(gguf)
     c = ck.config
     target.mkdir(parents=True, exist_ok=True)
     config = {

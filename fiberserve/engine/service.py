@@ -208,10 +208,10 @@ class LlmService:
         path = config.model or str(default_model_path(config.cache_dir, progress=config.progress))
         keep_freed_buffers()
         with _one_intra_op_thread():
-            checkpoint = load_checkpoint(path, progress=config.progress)  # first: a bad --model fails at once,
+            checkpoint = load_checkpoint(path)  # first: a bad --model fails at once,
             dtype = resolve_dtype(config.dtype, config.device)  # not after the kernels' first build
             quantization = resolve_quantization(config.quantization, checkpoint, config.device)
-            model = LlamaModel(checkpoint, dtype=dtype, device=config.device, quantization=quantization)
+            model = LlamaModel(checkpoint, dtype, config.device, quantization, progress=config.progress)
             tokenizer = load_tokenizer(path, config.cache_dir, checkpoint.config.eos_token_ids)
             service = cls(config, model, tokenizer, path)
             service.grammars.prepare()  # here, not in the first constrained request on the event loop

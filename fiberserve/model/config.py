@@ -16,10 +16,26 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
     "llama": "llama",
     "mistral": "llama",
     "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3",
+    "gemma3_text": "gemma3",
+    "phi3": "phi3",
 }
+
+#: Architectures whose RMSNorm scales by ``1 + weight`` in Hugging Face form (llama.cpp's files store ``1 + weight``).
+OFFSET_NORMS = frozenset({"gemma2", "gemma3"})
+#: Gemma 3 layers with a sliding window: all but every GEMMA3_GLOBAL_EVERY-th (llama.cpp's fixed pattern).
+GEMMA3_GLOBAL_EVERY = 6
+#: Gemma 3's RoPE base on its sliding-window layers, where a GGUF file does not say.
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
 class UnsupportedModelError(ValueError):
@@ -57,6 +73,23 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     #: How many of the latest keys a token attends to (Mistral's sliding window); None: all of them.
     sliding_window: int | None = None
+    #: Which layers attend through ``sliding_window`` (Gemma's interleaving); empty: every layer does.
+    sliding_layers: tuple[bool, ...] = ()
+    #: RoPE base of the sliding-window layers where it differs from ``rope_theta`` (Gemma 3).
+    rope_local_theta: float | None = None
+    #: Per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3).
+    qk_norm: bool = False
+    #: The MLP's gate activation: ``silu`` or ``gelu_tanh`` (Gemma).
+    hidden_act: str = "silu"
+    #: Gemma 2/3's extra norms: on the attention's output and around the MLP.
+    sandwich_norms: bool = False
+    #: Embeddings are multiplied by this (Gemma: sqrt(hidden_size)); None: not scaled.
+    embedding_multiplier: float | None = None
+    #: Attention scores are scaled by this; None: 1 / sqrt(head_dim).
+    attention_scale: float | None = None
+    #: ``cap * tanh(x / cap)`` on attention scores and on the final logits (Gemma 2); None: no capping.
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -72,9 +105,29 @@ class ModelConfig:
         computes for sequences of at most ``w`` tokens; so a model with a window is served up to its
         window, where the two agree exactly (vLLM caps ``max_model_len`` the same way on backends
         without windowed attention), rather than past it with silently different attention."""
-        if self.sliding_window:
+        if self.sliding_window and not self.sliding_layers:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``'s attention where it has one that the context can exceed, else None."""
+        if self.sliding_layers and self.sliding_layers[layer]:
+            return self.sliding_window
+        return None
+
+    @property
+    def plain_layers(self) -> bool:
+        """Whether every layer is Llama's (the C++ layer kernels' shape); otherwise the model runs PyTorch's ops."""
+        return not (
+            self.qk_norm
+            or self.sandwich_norms
+            or self.hidden_act != "silu"
+            or self.embedding_multiplier is not None
+            or self.attention_scale is not None
+            or self.attn_softcap is not None
+            or self.final_softcap is not None
+            or any(self.sliding_layers)
+        )
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -83,11 +136,21 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        # transformers 5 writes RoPE's base and scaling together as rope_parameters (rope_type "default": none)
+        # transformers 5 writes RoPE's base and scaling together as rope_parameters (rope_type "default": none),
+        # per layer type where they differ (Gemma 3: "full_attention" and "sliding_attention")
         rope = cfg.get("rope_parameters") or {}
+        local_rope = rope.get("sliding_attention") or {}
+        rope = rope.get("full_attention") or rope
         scaling = cfg.get("rope_scaling")
         if scaling is None and rope.get("rope_type", "default") != "default":
-            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+            scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+        if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise UnsupportedModelError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+        gemma = arch in OFFSET_NORMS
+        layer_types = cfg.get("layer_types") or []
+        sliding_layers = tuple(t == "sliding_attention" for t in layer_types) if gemma else ()
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -96,7 +159,7 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
             rope_scaling=scaling,
@@ -106,7 +169,16 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             # Qwen2 configs name a window but switch it off with use_sliding_window: false
-            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+            sliding_window=window,
+            sliding_layers=sliding_layers if window else (),
+            rope_local_theta=local_rope.get("rope_theta") or cfg.get("rope_local_base_freq"),
+            qk_norm=arch in ("qwen3", "gemma3"),
+            hidden_act="gelu_tanh" if gemma else "silu",
+            sandwich_norms=gemma,
+            embedding_multiplier=cfg["hidden_size"] ** 0.5 if gemma else None,
+            attention_scale=cfg.get("query_pre_attn_scalar", head_dim) ** -0.5 if gemma else None,
+            attn_softcap=cfg.get("attn_logit_softcapping") if gemma else None,
+            final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
         )
 
 
@@ -198,6 +270,15 @@ def gguf_config(reader) -> ModelConfig:
     if get("rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
     eos = [_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id")]
+    window = get("attention.sliding_window")
+    layers = int(get("block_count"))
+    gemma = arch in OFFSET_NORMS
+    head_dim = int(get("attention.key_length") or hidden // heads)
+    sliding_layers: tuple[bool, ...] = ()
+    if arch == "gemma2":
+        sliding_layers = tuple(i % 2 == 0 for i in range(layers))
+    elif arch == "gemma3":
+        sliding_layers = tuple((i + 1) % GEMMA3_GLOBAL_EVERY != 0 for i in range(layers))
     if vocab is None:
         raise ValueError("the GGUF file has neither a vocabulary size nor a token list")
     names = {t.name for t in reader.tensors}
@@ -206,10 +287,10 @@ def gguf_config(reader) -> ModelConfig:
         vocab_size=int(vocab),
         hidden_size=int(hidden),
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        num_layers=layers,
         num_heads=int(heads),
         num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length") or hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
@@ -218,5 +299,20 @@ def gguf_config(reader) -> ModelConfig:
         attention_bias=any(n.endswith("attn_q.bias") for n in names),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
-        sliding_window=int(window) if (window := get("attention.sliding_window")) else None,
+        sliding_window=int(window) if window else None,
+        sliding_layers=sliding_layers if window else (),
+        rope_local_theta=GEMMA3_LOCAL_ROPE_THETA if arch == "gemma3" else None,
+        qk_norm=any(n.endswith("attn_q_norm.weight") for n in names),
+        hidden_act="gelu_tanh" if gemma else "silu",
+        sandwich_norms=gemma,
+        embedding_multiplier=int(hidden) ** 0.5 if gemma else None,
+        # llama.cpp scales Gemma's queries by 1 / sqrt(head_dim), which is query_pre_attn_scalar for Gemma 2 2B/9B
+        # and Gemma 3
+        attention_scale=head_dim**-0.5 if gemma else None,
+        attn_softcap=_optional_float(get("attn_logit_softcapping")),
+        final_softcap=_optional_float(get("final_logit_softcapping")),
     )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)

@@ -198,13 +198,21 @@ class GateUp:
     SiLU x up in its epilogue: the same bits as the product of ``[gate; up]`` followed by
     :func:`.kernels.silu_mul`, without writing the [rows, 2F] product to memory, reading it back and one more
     kernel per layer.  Elsewhere: one product of ``[gate; up]``, then ``silu_mul`` where the model runs the
-    extension's kernels (``silu_kernel``), else ``F.silu(gate) * up``.
+    extension's kernels (``silu_kernel``), else ``F.silu(gate) * up``.  ``gelu``: GeGLU instead (Gemma's
+    tanh-approximated GELU), always the latter way.
     """
 
     def __init__(
-        self, gate: torch.Tensor, up: torch.Tensor, quantization: str, dtype: torch.dtype, silu_kernel: bool
+        self,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        quantization: str,
+        dtype: torch.dtype,
+        silu_kernel: bool,
+        gelu: bool = False,
     ) -> None:
-        self.silu_kernel = silu_kernel
+        self.gelu = gelu
+        silu_kernel = self.silu_kernel = silu_kernel and not gelu
         chunk = _gate_chunk(gate, quantization, dtype) if silu_kernel else None
         self.gated = chunk is not None
         weight = kernels.interleave_gate_up(gate, up, chunk) if chunk is not None else torch.cat([gate, up])
@@ -221,7 +229,7 @@ class GateUp:
         if self.silu_kernel:
             return kernels.silu_mul(self.product(x))
         gate, up = self.product(x).chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
 
 
 def _gate_chunk(gate: torch.Tensor, quantization: str, dtype: torch.dtype) -> int | None:

@@ -42,11 +42,12 @@ duplication.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from fiberserve.model import kernels
 from fiberserve.model.config import ModelConfig
@@ -153,8 +154,11 @@ class _AttentionPlan:
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # start, length, pages [P], mask [Q, L]
 
     @classmethod
-    def build(cls, batch: ForwardBatch, page_size: int, min_query_rows: int, dtype, device) -> _AttentionPlan:
-        """Group decode rows by padded key length; give each prefill chunk its causal mask.
+    def build(
+        cls, batch: ForwardBatch, page_size: int, min_query_rows: int, dtype, device, window: int | None = None
+    ) -> _AttentionPlan:
+        """Group decode rows by padded key length; give each prefill chunk its causal mask (and, for layers with
+        a sliding ``window``, one that hides the keys before each row's last ``window``).
 
         Key buffers are padded to a multiple of both :data:`KEY_BUCKET` and the page size.
         A chunk with fewer than ``min_query_rows`` rows gets extra mask rows (for the
@@ -172,7 +176,10 @@ class _AttentionPlan:
                 continue
             first = span.context - span.length
             query_pos = torch.arange(first, span.context).unsqueeze(1)
-            mask = torch.arange(padded).unsqueeze(0) <= query_pos  # causal; also hides padding
+            keys = torch.arange(padded).unsqueeze(0)
+            mask = keys <= query_pos  # causal; also hides padding
+            if window is not None:
+                mask &= keys > query_pos - window
             if span.length < min_query_rows:
                 mask = torch.cat([mask, torch.arange(padded).eq(0).expand(min_query_rows - span.length, -1)])
             pages = _page_table(span, page_size, padded)
@@ -184,7 +191,7 @@ class _AttentionPlan:
             pages = torch.cat([_page_table(s, page_size, padded) for s in spans])
             mask = torch.zeros(len(spans), padded, dtype=torch.bool)
             for i, s in enumerate(spans):
-                mask[i, : s.context] = True
+                mask[i, max(0, s.context - window) if window else 0 : s.context] = True
             groups.append((rows, pages.to(device), _additive(mask.view(len(spans), 1, 1, padded), dtype, device)))
         return cls(groups, prefills)
 
@@ -210,10 +217,11 @@ class _KernelPlan:
         return cls(pages, torch.tensor(row_span, dtype=torch.int32), torch.tensor(row_keys, dtype=torch.int32))
 
 
-def _rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None) -> torch.Tensor:
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = config.rope_scaling or {}
+def _rope_inv_freq(
+    dim: int, theta: float, scaling: dict | None, freq_factors: torch.Tensor | None = None
+) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = scaling or {}
     kind = scaling.get("rope_type") or scaling.get("type")
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors.double()
@@ -235,7 +243,14 @@ def _rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None) -> to
 
 class _Layer:
     def __init__(
-        self, w: dict[str, torch.Tensor], i: int, config: ModelConfig, dtype, device, quantization: str, fused: bool
+        self,
+        w: Mapping[str, torch.Tensor],
+        i: int,
+        config: ModelConfig,
+        dtype,
+        device,
+        quantization: str,
+        fused: bool,
     ) -> None:
         """``fused``: the model runs the extension's kernels (:attr:`LlamaModel.fused`)."""
         p = f"model.layers.{i}."
@@ -247,16 +262,35 @@ class _Layer:
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | QuantLinear:
             return make_linear(weight, bias, quantization, dtype)
 
-        self.attn_norm = w[p + "input_layernorm.weight"].to(device=device, dtype=torch.float32)
-        self.mlp_norm = w[p + "post_attention_layernorm.weight"].to(device=device, dtype=torch.float32)
+        def norm(name: str) -> torch.Tensor:
+            return w[p + name + ".weight"].to(device=device, dtype=torch.float32)
+
+        self.attn_norm = norm("input_layernorm")
+        #: Gemma's extra norms, on the attention's output and on the MLP's (None elsewhere).
+        self.post_attn_norm: torch.Tensor | None = None
+        self.post_mlp_norm: torch.Tensor | None = None
+        if config.sandwich_norms:
+            self.post_attn_norm = norm("post_attention_layernorm")
+            self.mlp_norm = norm("pre_feedforward_layernorm")
+            self.post_mlp_norm = norm("post_feedforward_layernorm")
+        else:
+            self.mlp_norm = norm("post_attention_layernorm")
+        #: Per-head norms of q and k (Qwen3, Gemma 3), else None.
+        self.q_norm = norm("self_attn.q_norm") if config.qk_norm else None
+        self.k_norm = norm("self_attn.k_norm") if config.qk_norm else None
         qkv_bias = None
         if config.attention_bias:
             qkv_bias = torch.cat([get(f"self_attn.{x}_proj.bias") for x in "qkv"])
         self.qkv = linear(torch.cat([get(f"self_attn.{x}_proj.weight") for x in "qkv"]), qkv_bias)
         self.o = linear(get("self_attn.o_proj.weight"))
         gate, up = get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")
-        self.gate_up = GateUp(gate, up, quantization, dtype, silu_kernel=fused)
+        self.gate_up = GateUp(gate, up, quantization, dtype, silu_kernel=fused, gelu=config.hidden_act == "gelu_tanh")
         self.down = linear(get("mlp.down_proj.weight"))
+
+
+def _norm_if(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``x`` through an RMSNorm of ``weight`` in float32 where there is one (Gemma's extra norms), else ``x``."""
+    return x if weight is None else F.rms_norm(x.float(), (x.shape[-1],), weight, eps)
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
@@ -273,7 +307,12 @@ class LlamaModel:
     """Weights plus the forward pass; stateless between calls (the KV cache is passed in)."""
 
     def __init__(
-        self, checkpoint: Checkpoint, dtype: torch.dtype = torch.float32, device="cpu", quantization: str = "none"
+        self,
+        checkpoint: Checkpoint,
+        dtype: torch.dtype = torch.float32,
+        device="cpu",
+        quantization: str = "none",
+        progress: bool = False,
     ) -> None:
         """``quantization="int4"``: the decoder layers' weights in Q4_1 blocks and the output head in Q8_0
         blocks (4-bit where the CPU has neither AVX512-VNNI nor AVX2), computed as llama.cpp does (see
@@ -287,33 +326,43 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.embed = w["model.embed_tokens.weight"].to(device=self.device, dtype=dtype)
-        untied = w.get("lm_head.weight")
-        tied = untied is None or config.tie_word_embeddings
-        head = w["model.embed_tokens.weight"] if tied or untied is None else untied
+        tied = config.tie_word_embeddings or "lm_head.weight" not in w
+        head = w["model.embed_tokens.weight" if tied else "lm_head.weight"]
         self.lm_head = self.embed if tied else head.to(self.device, dtype)
         head_bits = 8 if quantization != "none" and quant_kernel_available() else 4  # llama.cpp's Q8_0 output head
         self.logits = make_linear(head.to(self.device), None, quantization, dtype, head_bits)
         self.norm = w["model.norm.weight"].to(device=self.device, dtype=torch.float32)
         self.quantization = quantization
-        self.fused = self.device.type == "cpu" and kernels.supports(config, dtype)
+        self.fused = self.device.type == "cpu" and config.plain_layers and kernels.supports(config, dtype)
         if self.fused:
             kernels.load()
+        # Layer by layer from the checkpoint's file: only one tensor's float32 copy exists at a time.
         self.layers = [
-            _Layer(w, i, config, dtype, self.device, quantization, self.fused) for i in range(config.num_layers)
+            _Layer(w, i, config, dtype, self.device, quantization, self.fused)
+            for i in tqdm(range(config.num_layers), desc="loading layers", unit="layer", disable=not progress)
         ]
         linears = [self.logits] + [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self.min_rows = max(x.min_rows for x in linears)
-        inv_freq = _rope_inv_freq(config, checkpoint.rope_freq_factors).to(self.device)
-        positions = torch.arange(config.max_position_embeddings, device=self.device, dtype=torch.float32)
-        angles = torch.outer(positions, inv_freq)
-        self.cos = angles.cos().repeat(1, 2)
-        self.sin = torch.cat([-angles.sin(), angles.sin()], dim=1)  # the rotate-half signs folded in
-        self.scale = 1.0 / math.sqrt(config.head_dim)
+        inv_freq = _rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, checkpoint.rope_freq_factors)
+        self.cos, self.sin = self._rope_tables(inv_freq)
+        #: The sliding-window layers' tables where their RoPE base differs (Gemma 3), else the same.
+        self.local_cos, self.local_sin = self.cos, self.sin
+        if config.rope_local_theta is not None:
+            self.local_cos, self.local_sin = self._rope_tables(
+                _rope_inv_freq(config.head_dim, config.rope_local_theta, None)
+            )
+        self.scale = config.attention_scale or 1.0 / math.sqrt(config.head_dim)
         self.min_query_rows = MIN_QUERY_ROWS.get(dtype, 1)
         self.eps = config.rms_norm_eps
         #: The layers' tensors for :func:`.kernels.decoder_layers` when every decoder product runs on the
         #: extension's kernels (so the whole layer loop can run in C++), else None.
         self.native_layers = self._native_layer_tensors() if self.fused else None
+
+    def _rope_tables(self, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [positions, head_dim] for rotate-half RoPE, the signs of its first half folded into sin."""
+        positions = torch.arange(self.config.max_position_embeddings, device=self.device, dtype=torch.float32)
+        angles = torch.outer(positions, inv_freq.to(self.device))
+        return angles.cos().repeat(1, 2), torch.cat([-angles.sin(), angles.sin()], dim=1)
 
     def _native_layer_tensors(self) -> tuple[list, list, list, list, list] | None:
         norms: list[torch.Tensor] = []
@@ -369,6 +418,8 @@ class LlamaModel:
         logits = self.logits(h.to(self.dtype), wide=True).float()  # float32 straight from the CPU kernels
         if self.dtype != torch.float32:
             self._refine_top(logits, h)
+        if (cap := self.config.final_softcap) is not None:  # monotonic: greedy picks are the same either way
+            logits = torch.tanh(logits / cap) * cap
         return logits
 
     def _final_hidden(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
@@ -380,7 +431,10 @@ class LlamaModel:
             tokens, positions = torch.cat([tokens, pad]), torch.cat([positions, pad])
         tokens, positions = tokens.to(self.device), positions.to(self.device)
         write_slots = batch.write_slots.to(self.device)
-        h = self.embed[tokens].float()  # the residual stream stays float32 (see the module docstring)
+        h = self.embed[tokens]
+        if self.config.embedding_multiplier is not None:  # rounded to the model's dtype, as transformers does
+            h = h * torch.tensor(self.config.embedding_multiplier, dtype=self.dtype)
+        h = h.float()  # the residual stream stays float32 (see the module docstring)
         if batch.before_layers is not None:
             batch.before_layers()
         if self.native_layers:
@@ -394,8 +448,14 @@ class LlamaModel:
             plan = _KernelPlan.build(batch, cache.page_size, tokens.numel())
             self._layers_fused(h, positions, write_slots, cache, plan)
         else:
-            generic = _AttentionPlan.build(batch, cache.page_size, self.min_query_rows, self.dtype, self.device)
-            h = self._layers_generic(h, positions, write_slots, cache, generic)
+            windows = {self.config.layer_window(i) for i in range(self.config.num_layers)}
+            plans = {
+                window: _AttentionPlan.build(
+                    batch, cache.page_size, self.min_query_rows, self.dtype, self.device, window
+                )
+                for window in windows
+            }
+            h = self._layers_generic(h, positions, write_slots, cache, plans)
         return F.rms_norm(h[batch.logit_rows.to(self.device)], (self.config.hidden_size,), self.norm, self.eps)
 
     def _layers_fused(self, h, positions, write_slots, cache: KVCache, plan: _KernelPlan) -> None:
@@ -416,22 +476,34 @@ class LlamaModel:
             delta = layer.down(layer.gate_up(x), wide=True)  # added to h unrounded
         h.add_(delta)
 
-    def _layers_generic(self, h, positions, write_slots, cache: KVCache, plan: _AttentionPlan) -> torch.Tensor:
-        """The decoder layers in PyTorch ops and ``scaled_dot_product_attention`` (any device)."""
-        cfg, dtype = self.config, self.dtype
-        H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    def _layers_generic(
+        self, h, positions, write_slots, cache: KVCache, plans: dict[int | None, _AttentionPlan]
+    ) -> torch.Tensor:
+        """The decoder layers in PyTorch ops and ``scaled_dot_product_attention`` (any device, any layer shape:
+        q/k norms, Gemma's extra norms, sliding-window layers; ``plans`` by window)."""
+        cfg, dtype, eps = self.config, self.dtype, self.eps
+        H, KVH, D, W = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         T, new = h.shape[0], write_slots.numel()
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        tables = {
+            None: (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)),
+            "local": (self.local_cos[positions].unsqueeze(1), self.local_sin[positions].unsqueeze(1)),
+        }
         for index, layer in enumerate(self.layers):
-            x = F.rms_norm(h, (cfg.hidden_size,), layer.attn_norm, self.eps).to(dtype)
+            window = cfg.layer_window(index)
+            x = F.rms_norm(h, (W,), layer.attn_norm, eps).to(dtype)
             qkv = layer.qkv(x)
-            qk = self._rope(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)
+            qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = F.rms_norm(qk[:, :H].float(), (D,), layer.q_norm, eps)
+                qk = torch.cat([q, F.rms_norm(qk[:, H:].float(), (D,), layer.k_norm, eps)], 1).to(dtype)
+            qk = self._rope(qk, *tables["local" if window else None])
             k_cache, v_cache = cache.k[index], cache.v[index]
             k_cache.index_copy_(0, write_slots, qk[:new, H:])
             v_cache.index_copy_(0, write_slots, qkv[:new, (H + KVH) * D :].view(new, KVH, D))
-            h = h + layer.o(self._attention(qk[:, :H], k_cache, v_cache, cache.page_size, plan))
-            x = F.rms_norm(h, (cfg.hidden_size,), layer.mlp_norm, self.eps).to(dtype)
-            h = h + layer.down(layer.gate_up(x))
+            attended = layer.o(self._attention(qk[:, :H], k_cache, v_cache, cache.page_size, plans[window]))
+            h = h + _norm_if(attended, layer.post_attn_norm, eps)
+            x = F.rms_norm(h, (W,), layer.mlp_norm, eps).to(dtype)
+            h = h + _norm_if(layer.down(layer.gate_up(x)), layer.post_mlp_norm, eps)
         return h
 
     def _refine_top(self, logits: torch.Tensor, h: torch.Tensor) -> None:
@@ -467,15 +539,26 @@ class LlamaModel:
             kk = k_pages.index_select(0, pages).view(B, -1, KVH, D).transpose(1, 2)  # [B, KVH, L, D]
             vv = v_pages.index_select(0, pages).view(B, -1, KVH, D).transpose(1, 2)
             qq = self._pad_rows(q[rows].view(B, KVH, G, D))  # [B, KVH, >=G, D]
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=self.scale)
+            o = self._sdpa(qq, kk, vv, mask)
             out[rows] = o[:, :, :G].reshape(B, H * D)
         for start, length, pages, mask in plan.prefills:
             kk = k_pages.index_select(0, pages).view(1, -1, KVH, D).transpose(1, 2)  # [1, KVH, L, D]
             vv = v_pages.index_select(0, pages).view(1, -1, KVH, D).transpose(1, 2)
             qq = self._pad_rows(q[start : start + length].transpose(0, 1).unsqueeze(0))  # [1, H, >=Q, D]
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            o = self._sdpa(qq, kk, vv, mask)
             out[start : start + length] = o[0, :, :length].transpose(0, 1).reshape(length, H * D)
         return out
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Attention of q [B, H, Q, D] over k, v [B, KVH, L, D] (H a multiple of KVH) with an additive ``mask``;
+        with ``attn_softcap`` (Gemma 2), the scores are capped before the mask, as transformers does."""
+        cap = self.config.attn_softcap
+        if cap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.tanh(q.float() @ k.float().transpose(-1, -2) * self.scale / cap) * cap + mask
+        return (scores.softmax(-1) @ v.float()).to(q.dtype)
 
     def _pad_rows(self, q: torch.Tensor) -> torch.Tensor:
         """Pad the query rows (dim -2) with zeros up to :attr:`min_query_rows` (float32 only)."""

@@ -1,7 +1,12 @@
-"""Checkpoint loading: a GGUF file or a Hugging Face directory -> config + float32 weights.
+"""Checkpoint loading: a GGUF file or a Hugging Face directory -> config + weights read on demand.
 
 Both loaders return weights under Hugging Face names and layout, so the model
-has one code path.  GGUF stores Llama's q/k projections permuted for
+has one code path.  A weight is read from the (memory-mapped) file and turned
+into float32 only when the model asks for it, and not kept: the model builds
+its serving layout tensor by tensor, so no float32 copy of the whole model ever
+exists.  Fused projections (Phi-3's qkv and gate/up) are split, and
+norms are stored as the factor they multiply by (Gemma's ``1 + w``, which is
+what llama.cpp's files hold).  GGUF stores Llama's q/k projections permuted for
 llama.cpp's interleaved rotary embedding; :func:`_unpermute` undoes that so
 the usual rotate-half RoPE gives the reference logits.
 """
@@ -10,32 +15,67 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
-from fiberserve.model.config import ModelConfig, UnsupportedModelError, gguf_config, model_format, open_gguf
+from fiberserve.model.config import (
+    OFFSET_NORMS,
+    ModelConfig,
+    UnsupportedModelError,
+    gguf_config,
+    model_format,
+    open_gguf,
+)
+
+
+class LazyWeights(Mapping[str, torch.Tensor]):
+    """A checkpoint's tensors by Hugging Face name, each read as float32 when asked for and not kept (ask once)."""
+
+    def __init__(self, keep_open: Any = None) -> None:
+        """``keep_open``: whatever must stay alive for the readers to work (the open files)."""
+        self._readers: dict[str, Callable[[], torch.Tensor]] = {}
+        self._keep_open = keep_open
+
+    def add(self, name: str, reader: Callable[[], torch.Tensor]) -> None:
+        self._readers[name] = reader
+
+    def reader(self, name: str) -> Callable[[], torch.Tensor]:
+        return self._readers[name]
+
+    def remove(self, name: str) -> Callable[[], torch.Tensor]:
+        return self._readers.pop(name)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._readers[name]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._readers)
+
+    def __len__(self) -> int:
+        return len(self._readers)
 
 
 @dataclass
 class Checkpoint:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: LazyWeights
     #: Llama 3 style per-frequency divisors stored by GGUF files (``rope_freqs.weight``).
     rope_freq_factors: torch.Tensor | None = None
     #: The GGUF block types of the decoder layers' matrices, e.g. {"Q4_1"} (empty for a Hugging Face directory).
     decoder_weight_types: frozenset[str] = frozenset()
 
 
-def load_checkpoint(path: str | Path, progress: bool = True) -> Checkpoint:
+def load_checkpoint(path: str | Path) -> Checkpoint:
     """Load a GGUF file (known by its content, whatever its name) or a Hugging Face model directory."""
     path = Path(path)
     if model_format(path) == "hf":
-        return load_hf_directory(path, progress)
-    return load_gguf(path, progress)
+        return load_hf_directory(path)
+    return load_gguf(path)
 
 
 # ---------------------------------------------------------------- GGUF
@@ -55,7 +95,20 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",
 }
+#: Where an architecture's GGUF layer names mean something else than Llama's.
+_GGUF_ARCH_LAYER_NAMES = {
+    "gemma2": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},  # gate and up rows in one matrix, gate first
+}
+_GGUF_ARCH_LAYER_NAMES["gemma3"] = _GGUF_ARCH_LAYER_NAMES["gemma2"]
 _GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -65,45 +118,82 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: Path, progress: bool = True) -> Checkpoint:
-    import gguf
-
+def load_gguf(path: Path) -> Checkpoint:
     reader = open_gguf(path)
     config = gguf_config(reader)
     permuted = config.architecture == "llama"
-    weights: dict[str, torch.Tensor] = {}
+    weights = LazyWeights(keep_open=reader)
     freq_factors = None
     types = set()
-    for tensor in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress):
-        array = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        if not array.flags.writeable:  # the file's own float32 data, mapped read-only: copied
-            array = array.copy()
-        value = torch.from_numpy(array)  # a dequantized tensor is a new array already (copying it took 1.9 s)
+    layer_names = _GGUF_LAYER_NAMES | _GGUF_ARCH_LAYER_NAMES.get(config.architecture, {})
+    for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
-            freq_factors = value
+            freq_factors = _dequantized(tensor)
             continue
         name = _GGUF_NAMES.get(tensor.name)
+        heads = None
         if name is None:
             match = _GGUF_LAYER.fullmatch(tensor.name)
-            if not match or match.group(2) not in _GGUF_LAYER_NAMES:
+            if not match or match.group(2) not in layer_names:
                 raise UnsupportedModelError(f"{path.name}: unexpected tensor {tensor.name!r}")
             layer, part, kind = match.groups()
-            name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+            name = f"model.layers.{layer}.{layer_names[part]}.{kind}"
             if kind == "weight" and not part.endswith("norm"):
                 types.add(tensor.tensor_type.name)
-            if permuted and part == "attn_q":
-                value = _unpermute(value, config.num_heads)
-            elif permuted and part == "attn_k":
-                value = _unpermute(value, config.num_kv_heads)
-        weights[name] = value
-    return Checkpoint(config, weights, freq_factors, frozenset(types))
+            if permuted and part in ("attn_q", "attn_k"):
+                heads = config.num_heads if part == "attn_q" else config.num_kv_heads
+        weights.add(name, _gguf_reader(tensor, heads))
+    return Checkpoint(config, _split_fused(weights, config), freq_factors, frozenset(types))
+
+
+def _dequantized(tensor: Any) -> torch.Tensor:
+    """A GGUF tensor as a float32 tensor of its own (the file's mapping is read-only)."""
+    import gguf
+
+    array = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    if not array.flags.writeable:  # the file's own float32 data, mapped read-only: copied
+        array = array.copy()
+    return torch.from_numpy(array)
+
+
+def _gguf_reader(tensor: Any, unpermute_heads: int | None) -> Callable[[], torch.Tensor]:
+    def read() -> torch.Tensor:
+        value = _dequantized(tensor)
+        return value if unpermute_heads is None else _unpermute(value, unpermute_heads)
+
+    return read
+
+
+def _split_fused(weights: LazyWeights, config: ModelConfig) -> LazyWeights:
+    """Phi-3's fused projections as separate ones: qkv rows are [q; k; v], gate/up rows [gate; up]."""
+    q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    for name in [n for n in weights if ".qkv_proj." in n or ".gate_up_proj." in n]:
+        read = weights.remove(name)
+        if ".qkv_proj." in name:
+            for index, x in enumerate("qkv"):
+                weights.add(name.replace("qkv_proj", f"{x}_proj"), _part(read, [q_rows, kv_rows, kv_rows], index))
+        else:
+            for index, x in enumerate(("gate", "up")):
+                weights.add(name.replace("gate_up_proj", f"{x}_proj"), _part(read, 2, index))
+    return weights
+
+
+def _part(read: Callable[[], torch.Tensor], split: int | list[int], index: int) -> Callable[[], torch.Tensor]:
+    """A reader of the ``index``-th rows of what ``read`` reads, split into ``split`` (sizes, or equal parts)."""
+
+    def read_part() -> torch.Tensor:
+        value = read()
+        parts = value.chunk(split) if isinstance(split, int) else value.split(split)
+        return parts[index].clone()  # not a view that keeps the whole fused matrix alive
+
+    return read_part
 
 
 # ---------------------------------------------------------------- Hugging Face directory
 
 
-def load_hf_directory(path: Path, progress: bool = True) -> Checkpoint:
-    from safetensors.torch import load_file
+def load_hf_directory(path: Path) -> Checkpoint:
+    from safetensors import safe_open
 
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -116,8 +206,18 @@ def load_hf_directory(path: Path, progress: bool = True) -> Checkpoint:
         shards = sorted(p.name for p in path.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"--model {path}: no *.safetensors files")
-    weights: dict[str, torch.Tensor] = {}
-    for shard in tqdm(shards, desc=f"loading {path.name}", unit="shard", disable=not progress):
-        for name, value in load_file(str(path / shard)).items():
-            weights[name] = value.float()
-    return Checkpoint(config, weights)
+    files = [safe_open(str(path / shard), framework="pt") for shard in shards]
+    weights = LazyWeights(keep_open=files)
+    offset = config.architecture in OFFSET_NORMS
+    for file in files:
+        for name in file.keys():  # noqa: SIM118 (a safetensors file is not a dict)
+            weights.add(name, _safetensors_reader(file, name, offset and name.endswith("norm.weight")))
+    return Checkpoint(config, _split_fused(weights, config))
+
+
+def _safetensors_reader(file: Any, name: str, plus_one: bool) -> Callable[[], torch.Tensor]:
+    def read() -> torch.Tensor:
+        value = file.get_tensor(name).float()
+        return value + 1 if plus_one else value
+
+    return read

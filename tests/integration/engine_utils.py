@@ -37,7 +37,7 @@ def load_model(model_path: str, dtype: str, quantization: str = "none") -> Llama
     key = (model_path, dtype, quantization)
     if key not in _models:
         torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
-        checkpoint = load_checkpoint(model_path, progress=False)
+        checkpoint = load_checkpoint(model_path)
         _models[key] = LlamaModel(checkpoint, dtype=torch_dtype, quantization=quantization)
     return _models[key]
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fiberserve.model import ForwardBatch, KVCache, LlamaModel, SequenceSpan, load_checkpoint
+from fiberserve.model import LlamaModel, load_checkpoint
 from fiberserve.model.assets import DEFAULT_MODEL_SHA256, ModelFetchError, fetch_default_model, sha256_of
+from tests.integration.reference import assert_teacher_forced_match, transformers_gguf_model
 
 pytestmark = pytest.mark.slow
 
@@ -25,18 +26,12 @@ STEPS = 32
 
 @pytest.fixture(scope="module")
 def ours(model_path):
-    return LlamaModel(load_checkpoint(model_path, progress=False), dtype=torch.float32)
+    return LlamaModel(load_checkpoint(model_path), dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
 def reference(model_path):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    path = Path(model_path)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
-    return model.eval()
+    return transformers_gguf_model(model_path)
 
 
 def test_default_model_file_is_verified(model_path):
@@ -52,37 +47,7 @@ def test_offline_fetch_error_says_how_to_pass_a_local_model(tmp_path, monkeypatc
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_prefill_and_32_decode_steps_match_transformers(ours, reference, tokenizer, prompt):
     """Logits within 1e-3 for the prefill and 32 teacher-forced decode steps; greedy tokens identical."""
-    ids = tokenizer.encode(prompt)
-    generated = list(ids)
-    with torch.no_grad():
-        for _ in range(STEPS):  # the reference's greedy continuation, through EOS if it comes
-            generated.append(int(reference(torch.tensor([generated])).logits[0, -1].argmax()))
-        ref_logits = reference(torch.tensor([generated])).logits[0]
-    continuation = generated[len(ids) :]
-    assert len(continuation) == STEPS
-
-    page = 16
-    cache = KVCache(ours.config, 16, page, torch.float32, "cpu")
-    slots = torch.arange(16 * page)
-    n = len(ids)
-    batch = ForwardBatch(torch.tensor(ids), torch.arange(n), slots[:n], [SequenceSpan(0, n, n, slots)], torch.arange(n))
-    prefill = ours.forward(batch, cache)
-    assert (prefill - ref_logits[:n]).abs().max() < 1e-3
-    greedy = [int(prefill[-1].argmax())]
-    for step in range(STEPS - 1):  # teacher-forced: feed the reference's token, compare the next logits
-        pos = n + step
-        token = continuation[step]
-        batch = ForwardBatch(
-            torch.tensor([token]),
-            torch.tensor([pos]),
-            slots[pos : pos + 1],
-            [SequenceSpan(0, 1, pos + 1, slots)],
-            torch.tensor([0]),
-        )
-        logits = ours.forward(batch, cache)[0]
-        assert (logits - ref_logits[pos]).abs().max() < 1e-3, f"step {step}"
-        greedy.append(int(logits.argmax()))
-    assert greedy == continuation
+    assert_teacher_forced_match(ours, reference, tokenizer.encode(prompt), STEPS)
 
 
 def test_tokenizer_round_trips(tokenizer):

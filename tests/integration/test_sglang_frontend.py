@@ -128,7 +128,7 @@ def model(model_path, server):
     """The model as the server computes it (its default dtype and quantization)."""
     info = server.server_info()
     dtype = torch.bfloat16 if info["dtype"] == "bfloat16" else torch.float32
-    return LlamaModel(load_checkpoint(model_path, progress=False), dtype=dtype, quantization=info["quantization"])
+    return LlamaModel(load_checkpoint(model_path), dtype=dtype, quantization=info["quantization"])
 
 
 def token_logprobs(model: LlamaModel, ids: list[int]) -> list[float | None]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -46,14 +47,14 @@ TOKENS = [5, 17, 200, 3, 99, 42, 7, 7, 150, 33, 12]
 
 
 def test_gguf_and_hf_loaders_give_the_same_logits(tiny_dirs):
-    a = LlamaModel(load_checkpoint(tiny_dirs["gguf"], progress=False))
-    b = LlamaModel(load_checkpoint(tiny_dirs["hf"], progress=False))
+    a = LlamaModel(load_checkpoint(tiny_dirs["gguf"]))
+    b = LlamaModel(load_checkpoint(tiny_dirs["hf"]))
     assert a.config.num_kv_heads == 2 and a.config.vocab_size == 256
     torch.testing.assert_close(logits_of(a, TOKENS), logits_of(b, TOKENS), atol=1e-5, rtol=0)
 
 
 def test_logits_match_transformers(tiny_dirs):
-    ours = logits_of(LlamaModel(load_checkpoint(tiny_dirs["gguf"], progress=False)), TOKENS)
+    ours = logits_of(LlamaModel(load_checkpoint(tiny_dirs["gguf"])), TOKENS)
     torch.testing.assert_close(ours, hf_logits(tiny_dirs["hf"], TOKENS), atol=1e-4, rtol=0)
 
 
@@ -83,7 +84,7 @@ def test_architecture_variants_match_transformers(tmp_path, variant):
     shards = variant.pop("shards", 1)
     cfg = {**TINY, **variant}
     path = write_hf(tmp_path / "m", cfg, random_weights(cfg, seed=3, bias=bias), arch=arch, shards=shards)
-    ours = logits_of(LlamaModel(load_checkpoint(path, progress=False)), TOKENS * 3)
+    ours = logits_of(LlamaModel(load_checkpoint(path)), TOKENS * 3)
     torch.testing.assert_close(ours, hf_logits(path, TOKENS * 3), atol=1e-4, rtol=0)
 
 
@@ -97,14 +98,14 @@ def test_sliding_window_models_are_served_up_to_their_window(tmp_path):
     cfg = {**TINY, "sliding_window": 12}
     weights = random_weights(cfg, seed=4)
     path = write_hf(tmp_path / "m", cfg, weights, arch="MistralForCausalLM")
-    ck = load_checkpoint(path, progress=False)
+    ck = load_checkpoint(path)
     assert (ck.config.sliding_window, ck.config.max_context) == (12, 12)
     tokens = (TOKENS * 2)[:12]
     model = LlamaModel(ck)
     torch.testing.assert_close(logits_of(model, tokens), hf_logits(path, tokens), atol=1e-4, rtol=0)
     longer = (TOKENS * 2)[:16]  # past the window the two differ: why the context stops there
     assert not torch.allclose(logits_of(model, longer)[-1], hf_logits(path, longer)[-1], atol=1e-3)
-    gguf_config = load_checkpoint(write_gguf(tmp_path / "m.gguf", cfg, weights), progress=False).config
+    gguf_config = load_checkpoint(write_gguf(tmp_path / "m.gguf", cfg, weights)).config
     assert (gguf_config.sliding_window, gguf_config.max_context) == (12, 12)
     qwen = ModelConfig.from_hf({**cfg, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False})
     assert (qwen.sliding_window, qwen.max_context) == (None, 512)
@@ -122,11 +123,11 @@ def test_quantized_gguf_is_dequantized_by_the_gguf_package(tmp_path, qtype):
     cfg = {**TINY, "hidden_size": 64, "intermediate_size": 256}
     weights = random_weights(cfg, seed=5)
     kind = gguf.GGMLQuantizationType[qtype]
-    ck = load_checkpoint(write_gguf(tmp_path / "q.gguf", cfg, weights, qtype=kind), progress=False)
+    ck = load_checkpoint(write_gguf(tmp_path / "q.gguf", cfg, weights, qtype=kind))
     expected = dequantize(quantize(weights["model.layers.1.mlp.down_proj.weight"].numpy(), kind), kind)
     torch.testing.assert_close(ck.weights["model.layers.1.mlp.down_proj.weight"], torch.from_numpy(expected))
     # and the whole model runs close to the float weights
-    full = logits_of(LlamaModel(load_checkpoint(write_hf(tmp_path / "f", cfg, weights), progress=False)), TOKENS)
+    full = logits_of(LlamaModel(load_checkpoint(write_hf(tmp_path / "f", cfg, weights))), TOKENS)
     approx = logits_of(LlamaModel(ck), TOKENS)
     assert (approx - full).abs().max() < (0.05 if qtype in ("F16", "BF16", "Q8_0") else 1.5)
 
@@ -161,11 +162,11 @@ def test_unsupported_architecture_is_named(tmp_path):
     config["architectures"] = ["GPT2LMHeadModel"]
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
-        load_checkpoint(path, progress=False)
+        load_checkpoint(path)
 
 
 def test_batched_forward_equals_one_by_one_and_touches_only_its_own_pages(tiny_dirs):
-    model = LlamaModel(load_checkpoint(tiny_dirs["hf"], progress=False))
+    model = LlamaModel(load_checkpoint(tiny_dirs["hf"]))
     seqs = [(TOKENS[:3], [9, 2]), (TOKENS * 2, [0, 5, 11, 3, 7, 8]), (TOKENS[:1], [1]), (TOKENS[2:9], [4, 6])]
     alone = [logits_of(model, toks) for toks, _ in seqs]
     cache = KVCache(model.config, 16, PAGE, torch.float32, "cpu")
@@ -186,7 +187,7 @@ def test_batched_forward_equals_one_by_one_and_touches_only_its_own_pages(tiny_d
 
 def test_prefill_chunks_and_decode_steps_in_one_call(tiny_dirs):
     """A chunked prefill beside decode tokens gives the logits of one whole prefill."""
-    model = LlamaModel(load_checkpoint(tiny_dirs["hf"], progress=False))
+    model = LlamaModel(load_checkpoint(tiny_dirs["hf"]))
     a, b = TOKENS * 2, TOKENS[:7]
     ref_a, ref_b = logits_of(model, a), logits_of(model, b)
     cache = KVCache(model.config, 16, PAGE, torch.float32, "cpu")
@@ -240,7 +241,7 @@ def test_quant_linear_recovers_llama_cpp_blocks_and_is_row_invariant(bits, fallb
 @pytest.mark.parametrize("page", [1, 6, 16])
 def test_any_page_size_gives_the_same_logits(tiny_dirs, page):
     """Key buffers pad to a multiple of both 64 and the page size; the page size must not change the math."""
-    model = LlamaModel(load_checkpoint(tiny_dirs["hf"], progress=False))
+    model = LlamaModel(load_checkpoint(tiny_dirs["hf"]))
     tokens = TOKENS * 2
     pages = [7, 3, 11, 0, 5, 9, 2, 8, 4, 10, 1, 6][: -(-len(tokens) // page)] if page > 1 else None
     pages = pages or list(range(len(tokens) - 1, -1, -1))  # page size 1: one page per token, in reverse
@@ -271,7 +272,7 @@ def test_layer_loop_in_cpp_gives_the_python_loops_bits(tmp_path, quantization, b
         pytest.skip("the C++ layer loop needs the extension's products: AVX512-BF16, or int4 on AVX512-VNNI / AVX2")
     arch = "Qwen2ForCausalLM" if bias else "LlamaForCausalLM"
     path = write_hf(tmp_path / "m", TINY, random_weights(TINY, bias=bias), arch=arch)
-    model = LlamaModel(load_checkpoint(path, progress=False), dtype, quantization=quantization)
+    model = LlamaModel(load_checkpoint(path), dtype, quantization=quantization)
     assert model.native_layers is not None
     a, b = TOKENS * 2, TOKENS[:7]
     seqs, start = [(a, [3, 1, 4, 0, 5, 9]), (b, [2, 6])], [13, 6]
@@ -294,7 +295,7 @@ def test_greedy_gives_the_argmax_of_forward(tiny_dirs, quantization):
 
     if quantization == "int4" and not quant_kernel_available():
         pytest.skip("the int4 mode's head runs on the extension's kernel (AVX512-VNNI or AVX2)")
-    model = LlamaModel(load_checkpoint(tiny_dirs["gguf"], progress=False), torch.bfloat16, quantization=quantization)
+    model = LlamaModel(load_checkpoint(tiny_dirs["gguf"]), torch.bfloat16, quantization=quantization)
     seqs = [(TOKENS * 2, [3, 1, 4, 0, 5, 9]), (TOKENS[:7], [2, 6])]
     batch = prefill_batch(seqs)
     logits = model.forward(batch, KVCache(model.config, 16, PAGE, torch.bfloat16, "cpu"))
@@ -314,14 +315,14 @@ def test_default_quantization_is_the_files_own_where_int4_is_faster(tmp_path, ti
 
     cfg = {**TINY, "hidden_size": 64, "intermediate_size": 256}
     kind = None if qtype is None else gguf.GGMLQuantizationType[qtype]
-    ck = load_checkpoint(write_gguf(tmp_path / "q.gguf", cfg, random_weights(cfg, seed=5), qtype=kind), progress=False)
+    ck = load_checkpoint(write_gguf(tmp_path / "q.gguf", cfg, random_weights(cfg, seed=5), qtype=kind))
     assert ck.decoder_weight_types == {qtype or "F32"}
     kernels.load()
     int4_faster = "none" if kernels.bf16_amx() else "int4"
     assert resolve_quantization("auto", ck, "cpu") == (int4_faster if qtype == "Q4_1" else "none")
     assert resolve_quantization("auto", ck, "cuda") == "none"
     assert resolve_quantization("none", ck, "cpu") == "none" and resolve_quantization("int4", ck, "cpu") == "int4"
-    hf = load_checkpoint(tiny_dirs["hf"], progress=False)
+    hf = load_checkpoint(tiny_dirs["hf"])
     assert hf.decoder_weight_types == frozenset() and resolve_quantization("auto", hf, "cpu") == "none"
 
 
@@ -331,10 +332,7 @@ def test_model_files_are_known_by_their_content_and_bad_ones_are_named(tmp_path,
     blob = tmp_path / "sha256-0a1b2c"  # how Ollama stores a GGUF: no suffix
     blob.write_bytes(tiny_dirs["gguf"].read_bytes())
     assert read_config(blob) == read_config(tiny_dirs["gguf"])
-    assert (
-        load_checkpoint(blob, progress=False).weights.keys()
-        == load_checkpoint(tiny_dirs["gguf"], progress=False).weights.keys()
-    )
+    assert load_checkpoint(blob).weights.keys() == load_checkpoint(tiny_dirs["gguf"]).weights.keys()
     with pytest.raises(FileNotFoundError, match=r"--model .*nowhere\.gguf: does not exist"):
         load_checkpoint(tmp_path / "nowhere.gguf")
     text = tmp_path / "notes.txt"
@@ -347,7 +345,7 @@ def test_model_files_are_known_by_their_content_and_bad_ones_are_named(tmp_path,
     with pytest.raises(
         ValueError, match=rf"truncated: its tensors end at byte {len(whole)}, the file has {len(whole) - 1000} bytes"
     ):
-        load_checkpoint(cut, progress=False)
+        load_checkpoint(cut)
 
 
 @pytest.mark.parametrize(
@@ -380,10 +378,10 @@ def test_configs_written_by_the_installed_transformers_are_read_whole(tmp_path, 
         rope_parameters=dict(rope),
     )
     written.save_pretrained(path)
-    config = load_checkpoint(path, progress=False).config
+    config = load_checkpoint(path).config
     assert config.rope_theta == rope["rope_theta"]
     assert (config.rope_scaling or {}).get("rope_type", "default") == rope["rope_type"]
-    ours = logits_of(LlamaModel(load_checkpoint(path, progress=False)), TOKENS * 3)
+    ours = logits_of(LlamaModel(load_checkpoint(path)), TOKENS * 3)
     torch.testing.assert_close(ours, hf_logits(path, TOKENS * 3), atol=1e-4, rtol=0)
 
 
@@ -392,7 +390,7 @@ def test_a_model_the_kernels_do_not_take_runs_the_generic_path_faithfully(tmp_pa
     (the path other devices take), and still matches transformers, batched or alone, prefilled in chunks or whole."""
     cfg = {**TINY, "hidden_size": 48, "intermediate_size": 96}
     path = write_hf(tmp_path / "m", cfg, random_weights(cfg, seed=6))
-    model = LlamaModel(load_checkpoint(path, progress=False))
+    model = LlamaModel(load_checkpoint(path))
     assert not model.fused and model.native_layers is None
     tokens = TOKENS * 2
     whole = logits_of(model, tokens)
@@ -403,3 +401,22 @@ def test_a_model_the_kernels_do_not_take_runs_the_generic_path_faithfully(tmp_pa
     rest = model.forward(prefill_batch([(tokens, [3, 1, 4, 5, 6, 7])], start=[9]), cache)
     torch.testing.assert_close(torch.cat([first[:9], rest]), whole, atol=1e-4, rtol=0)
     torch.testing.assert_close(first[9:], logits_of(model, other), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "phi3"])
+def test_more_architectures_match_transformers_from_both_files(tmp_path, arch):
+    """Qwen3 (q/k norms), Gemma 2 (GeGLU, extra norms, embedding scale, soft-capping, alternating sliding windows),
+    Gemma 3 (q/k norms, five sliding layers with their own RoPE base per global one), Phi-3 (fused qkv and
+    gate/up): transformers' own tiny models, past the window, from the directory and from the GGUF file."""
+    from tests.tiny_models import write_gguf_like_llama_cpp, write_transformers_model
+
+    hf_dir = write_transformers_model(tmp_path / arch, arch, seed=7)
+    tokens = TOKENS * 2  # 22 tokens: the sliding layers' window of 8 hides the early keys
+    reference = hf_logits(hf_dir, tokens)
+    from_dir = LlamaModel(load_checkpoint(hf_dir))
+    torch.testing.assert_close(logits_of(from_dir, tokens), reference, atol=1e-4, rtol=0)
+    from_gguf = LlamaModel(load_checkpoint(write_gguf_like_llama_cpp(tmp_path / f"{arch}.gguf", hf_dir)))
+    eps = from_dir.config.rms_norm_eps  # GGUF stores it in float32
+    assert dataclasses.replace(from_gguf.config, rms_norm_eps=eps) == from_dir.config
+    assert from_gguf.config.rms_norm_eps == pytest.approx(eps, rel=1e-6)
+    torch.testing.assert_close(logits_of(from_gguf, tokens), reference, atol=1e-4, rtol=0)
