@@ -41,9 +41,10 @@ from fiberserve.model import kernels
 from fiberserve.model.assets import DEFAULT_MODEL_NAME, default_model_path
 from fiberserve.model.llama import KVCache, LlamaModel
 from fiberserve.model.loader import Checkpoint, load_checkpoint
+from fiberserve.model.quant_blocks import NATIVE_BITS
 from fiberserve.model.tokenizer import Tokenizer, load_tokenizer
 from fiberserve.runtime import FiberPool, Isolation, Program
-from fiberserve.runtime.allocator import keep_freed_buffers
+from fiberserve.runtime.allocator import keep_freed_buffers, return_freed_buffers
 from fiberserve.runtime.cpu_share import FreeCores
 
 log = logging.getLogger(__name__)
@@ -69,14 +70,18 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return torch.bfloat16 if kernels.bf16_gemm_available() else torch.float32
 
 
+#: The GGUF block formats whose files ``--quantization auto`` serves in int4: 4-bit blocks served as they are.
+AUTO_INT4_TYPES = frozenset(kind for kind, bits in NATIVE_BITS.items() if bits == 4)
+
+
 def resolve_quantization(name: str, checkpoint: Checkpoint, device: str) -> str:
-    """``auto`` is int4 where that mode serves the file's own weights (a GGUF whose decoder matrices are all Q4_1,
-    the blocks int4 computes with, as llama.cpp does) and is the faster mode: on a CPU whose bf16 products do not
-    run on AMX tiles (there, int4's integer products win at every batch size; on the tiles bf16 wins from a few
-    sequences on).  Otherwise none."""
+    """``auto`` is int4 where that mode serves the file's own weights (a GGUF whose decoder matrices are all in 4-bit
+    blocks int4 computes with as they are, Q4_0 or Q4_1, as llama.cpp does) and is the faster mode: on a CPU whose
+    bf16 products do not run on AMX tiles (there, int4's integer products win at every batch size; on the tiles
+    bf16 wins from a few sequences on).  Otherwise none."""
     if name != "auto":
         return name
-    if device != "cpu" or checkpoint.decoder_weight_types != {"Q4_1"}:
+    if device != "cpu" or not checkpoint.decoder_weight_types or not checkpoint.decoder_weight_types <= AUTO_INT4_TYPES:
         return "none"
     kernels.load()
     return "none" if kernels.bf16_amx() else "int4"
@@ -206,7 +211,7 @@ class LlmService:
     def load(cls, config: EngineConfig) -> LlmService:
         """Load weights and tokenizer (seconds for the default model); fetch the default if needed."""
         path = config.model or str(default_model_path(config.cache_dir, progress=config.progress))
-        keep_freed_buffers()
+        return_freed_buffers()  # the load's temporaries leave nothing resident; serving keeps its buffers
         with _one_intra_op_thread():
             checkpoint = load_checkpoint(path)  # first: a bad --model fails at once,
             dtype = resolve_dtype(config.dtype, config.device)  # not after the kernels' first build
@@ -215,7 +220,8 @@ class LlmService:
             tokenizer = load_tokenizer(path, config.cache_dir, checkpoint.config.eos_token_ids)
             service = cls(config, model, tokenizer, path)
             service.grammars.prepare()  # here, not in the first constrained request on the event loop
-            return service
+        keep_freed_buffers()
+        return service
 
     @property
     def model_name(self) -> str:

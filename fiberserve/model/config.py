@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fiberserve.model.gguf_file import GGUF_MAGIC, GgufFile
+
 #: Hugging Face ``architectures`` / GGUF ``general.architecture`` values we run.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -190,9 +192,6 @@ def read_config(path: str | Path) -> ModelConfig:
     return gguf_config(open_gguf(path))
 
 
-GGUF_MAGIC = b"GGUF"
-
-
 def model_format(path: Path) -> str:
     """The format of ``path``: "gguf" for a file that starts with GGUF's magic (whatever its name: Ollama's blobs
     have none), "hf" for a directory; otherwise an error that says what ``path`` is."""
@@ -210,52 +209,20 @@ def model_format(path: Path) -> str:
     return "gguf"
 
 
-def open_gguf(path: Path):
-    """A ``gguf.GGUFReader`` of ``path``; a file it cannot read is a ValueError naming the file.
-
-    The reader parses the metadata through slices of an ``np.memmap``, and every slice of that subclass pays
-    for ``memmap.__getitem__`` and ``__array_finalize__``: ~250,000 of them for SmolLM2's vocabulary and merges,
-    2.6 s of every model load.  Read through a plain ``ndarray`` view of the same mapping, the same fields and
-    tensors (still mapped, not copied) take 0.9 s.  (gguf-py's own fix, llama.cpp PR #13378, is not merged.)
-    """
-    import gguf
-    import numpy as np
-
-    class Reader(gguf.GGUFReader):
-        def _build_fields(self, offs, count):  # called once, before any field is read
-            self.data = self.data.view(np.ndarray)
-            return super()._build_fields(offs, count)
-
-        def _build_tensors(self, start_offs, fields):  # first: every tensor's type known and its bytes there
-            end = start_offs
-            for info in fields:
-                _, name, _, dims, raw_type, offset = info.parts
-                try:
-                    kind = gguf.GGMLQuantizationType(int(raw_type[0]))
-                except ValueError:
-                    raise UnsupportedModelError(
-                        f"tensor {bytes(name).decode(errors='replace')!r} has GGML type {int(raw_type[0])}, which "
-                        f"the installed gguf package does not know"
-                    ) from None
-                block, size = gguf.GGML_QUANT_SIZES[kind]
-                end = max(end, start_offs + int(offset[0]) + int(np.prod(dims)) * size // block)
-            if end > len(self.data):
-                raise ValueError(f"truncated: its tensors end at byte {end}, the file has {len(self.data)} bytes")
-            return super()._build_tensors(start_offs, fields)
-
+def open_gguf(path: Path) -> GgufFile:
+    """The metadata and tensors of the GGUF file ``path``; a file it cannot read is a ValueError naming the file."""
     try:
-        return Reader(str(path))
+        return GgufFile(path)
     except Exception as exc:  # the reader's own errors (bad magic, version, a truncated file) name no file
         raise ValueError(f"--model {path}: not a GGUF file this server can read ({type(exc).__name__}: {exc})") from exc
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(reader: GgufFile, key: str, default: Any = None) -> Any:
+    return reader.fields.get(key, default)
 
 
-def gguf_config(reader) -> ModelConfig:
-    """The config stored in a ``gguf.GGUFReader``'s metadata (llama.cpp's keys, under the architecture's name)."""
+def gguf_config(reader: GgufFile) -> ModelConfig:
+    """The config stored in a GGUF file's metadata (llama.cpp's keys, under the architecture's name)."""
     arch_name = _field(reader, "general.architecture")
     arch = normalize_architecture(arch_name)
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from fiberserve.model import kernels
+from fiberserve.model.quant_blocks import QUANT_GROUP, QuantBlocks
 
 #: Fewest rows a product runs with (see module docstring).
 MIN_ROWS = 2
@@ -98,16 +99,9 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-#: Input features per quantization block (llama.cpp's block size).
-QUANT_GROUP = 32
-
-
 class QuantLinear:
-    """Weights in blocks of :data:`QUANT_GROUP` input features, ``w = scale * q + min`` per block.
-
-    ``bits=4``: ``q`` in 0..15 from each block's min and max, which is exactly how llama.cpp builds Q4_1
-    blocks; ``bits=8``: ``q`` in -127..127 from each block's largest magnitude (``min = 0``), llama.cpp's
-    Q8_0.  So for a Q4_1 or Q8_0 GGUF (weights passed in float32) the file's own blocks come back.  Products:
+    """Weights in blocks of 32 input features, ``w = scale * q + min`` per block (:class:`.QuantBlocks`: a file's
+    own Q4_0, Q4_1, Q5_0 or Q8_0 blocks, or blocks quantized from float weights).  Products:
 
     * on CPUs with AVX512-VNNI, :func:`.kernels.quant_linear`, llama.cpp's Q4_1 x Q8_1 / Q8_0 x Q8_0
       arithmetic: each row of ``x`` is quantized per block of 32 to int8, and the integer dot products run
@@ -121,29 +115,19 @@ class QuantLinear:
     """
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None, bits: int = 4
+        self,
+        weight: torch.Tensor | QuantBlocks,
+        bias: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+        bits: int = 4,
     ) -> None:
-        """``weight`` [out, in], best in float32 (its values are quantized); ``dtype``: the activations' dtype
-        (default: the weight's).  ``bits=8`` needs the extension's kernel (:func:`quant_kernel_available`)."""
-        self.out_features, self.in_features = n, k = weight.shape
-        if k % QUANT_GROUP:
-            raise ValueError(f"quantized weights need input features divisible by {QUANT_GROUP}, got {k}")
-        dtype = dtype or weight.dtype
-        groups = weight.float().view(n, k // QUANT_GROUP, QUANT_GROUP)
-        # Scales and minimums in float16, as llama.cpp stores them (exact for its files), rounded first so
-        # that q is chosen against the values the product will use.
-        if bits == 4:
-            lo, hi = groups.amin(-1).half().float(), groups.amax(-1)
-            scale = ((hi - lo) / 15).half().float()
-            q = (groups - lo[..., None]) / torch.where(scale > 0, scale, 1.0)[..., None]
-            q = q.round().clamp(0, 15)
-        elif bits == 8:  # signed q stored as q + 128, so the minimum is -128 steps
-            scale = (groups.abs().amax(-1) / 127).half().float()
-            q = (groups / torch.where(scale > 0, scale, 1.0)[..., None]).round().clamp(-127, 127) + 128
-            lo = -128 * scale
-        else:
-            raise ValueError(f"bits must be 4 or 8, got {bits}")
-        q = q.to(torch.uint8).view(n, k)
+        """``weight``: blocks, or a float matrix [out, in] (best float32) quantized to ``bits`` (Q4_1 or Q8_0
+        blocks); ``dtype``: the activations' dtype (default: a float weight's, else bfloat16).  8-bit blocks need
+        the extension's kernel (:func:`quant_kernel_available`)."""
+        blocks = weight if isinstance(weight, QuantBlocks) else QuantBlocks.quantize(weight, bits)
+        dtype = dtype or (weight.dtype if isinstance(weight, torch.Tensor) else torch.bfloat16)
+        self.out_features, self.in_features = n, _ = blocks.shape
+        q, scale, lo, bits = blocks.q, blocks.scale, blocks.min, blocks.bits
         self.native = weight.device.type == "cpu" and n % 16 == 0 and quant_kernel_available()
         self.min_rows = 1 if self.native else MIN_ROWS
         if self.native:
@@ -204,8 +188,8 @@ class GateUp:
 
     def __init__(
         self,
-        gate: torch.Tensor,
-        up: torch.Tensor,
+        gate: torch.Tensor | QuantBlocks,
+        up: torch.Tensor | QuantBlocks,
         quantization: str,
         dtype: torch.dtype,
         silu_kernel: bool,
@@ -215,7 +199,7 @@ class GateUp:
         silu_kernel = self.silu_kernel = silu_kernel and not gelu
         chunk = _gate_chunk(gate, quantization, dtype) if silu_kernel else None
         self.gated = chunk is not None
-        weight = kernels.interleave_gate_up(gate, up, chunk) if chunk is not None else torch.cat([gate, up])
+        weight = _stack_gate_up(gate, up, chunk)
         self.product = make_linear(weight, None, quantization, dtype)
         self.min_rows = self.product.min_rows
 
@@ -232,24 +216,44 @@ class GateUp:
         return (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
 
 
-def _gate_chunk(gate: torch.Tensor, quantization: str, dtype: torch.dtype) -> int | None:
+def _stack_gate_up(
+    gate: torch.Tensor | QuantBlocks, up: torch.Tensor | QuantBlocks, chunk: int | None
+) -> torch.Tensor | QuantBlocks:
+    """One weight of the gate and up rows: interleaved in ``chunk``s for a gated kernel, else gate then up.  Blocks
+    of different bits are dequantized first (they are quantized again together)."""
+    if isinstance(gate, QuantBlocks) and isinstance(up, QuantBlocks) and gate.bits == up.bits:
+        if chunk is None:
+            stacked = QuantBlocks.cat([gate, up])
+            assert stacked is not None
+            return stacked
+        parts = [kernels.interleave_gate_up(a, b, chunk) for a, b in ((gate.q, up.q), (gate.scale, up.scale))]
+        mins = kernels.interleave_gate_up(gate.min, up.min, chunk)
+        return QuantBlocks(parts[0], parts[1], mins, gate.bits, gate.zero if gate.zero == up.zero else None)
+    gate, up = (x.dequantize() if isinstance(x, QuantBlocks) else x for x in (gate, up))
+    return kernels.interleave_gate_up(gate, up, chunk) if chunk is not None else torch.cat([gate, up])
+
+
+def _gate_chunk(gate: torch.Tensor | QuantBlocks, quantization: str, dtype: torch.dtype) -> int | None:
     """The interleaving chunk of a gated product for these weights, or None where no kernel runs one."""
     if gate.device.type != "cpu":
         return None
     if quantization == "int4":
         chunk, runs = kernels.QUANT_GATE_CHUNK, quant_kernel_available()
     else:
+        assert isinstance(gate, torch.Tensor), "blocks are passed for quantized products only"
         chunk, runs = kernels.BF16_GATE_CHUNK, _can_use_bf16_kernel(gate.to(dtype))
     return chunk if runs and gate.shape[0] % chunk == 0 else None
 
 
 def make_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, dtype: torch.dtype, bits: int = 4
+    weight: torch.Tensor | QuantBlocks, bias: torch.Tensor | None, quantization: str, dtype: torch.dtype, bits: int = 4
 ) -> Linear | QuantLinear:
-    """A :class:`Linear` in ``dtype``, or for ``quantization="int4"`` a :class:`QuantLinear` of ``bits``
-    (``weight`` is best passed in float32 then: it is quantized from its values)."""
+    """A :class:`Linear` in ``dtype``, or for ``quantization="int4"`` a :class:`QuantLinear`: of the blocks
+    given, or of ``bits`` quantized from a float ``weight`` (best passed in float32)."""
     if quantization == "int4":
         return QuantLinear(weight, bias, dtype, bits)
     if quantization != "none":
         raise ValueError(f"quantization must be none or int4, got {quantization!r}")
+    if isinstance(weight, QuantBlocks):
+        weight = weight.dequantize()
     return Linear(weight.to(dtype).contiguous(), None if bias is None else bias.to(dtype))

@@ -42,7 +42,7 @@ duplication.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +52,8 @@ from tqdm import tqdm
 from fiberserve.model import kernels
 from fiberserve.model.config import ModelConfig
 from fiberserve.model.linear import GateUp, Linear, QuantLinear, make_linear, quant_kernel_available
-from fiberserve.model.loader import Checkpoint
+from fiberserve.model.loader import Checkpoint, LazyWeights
+from fiberserve.model.quant_blocks import QuantBlocks
 
 #: Key buffers are padded to a multiple of this many positions (see module docstring).
 KEY_BUCKET = 64
@@ -244,7 +245,7 @@ def _rope_inv_freq(
 class _Layer:
     def __init__(
         self,
-        w: Mapping[str, torch.Tensor],
+        w: LazyWeights,
         i: int,
         config: ModelConfig,
         dtype,
@@ -259,7 +260,12 @@ class _Layer:
         def get(name: str) -> torch.Tensor:
             return w[p + name].to(device=device)
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | QuantLinear:
+        def matrix(name: str) -> torch.Tensor | QuantBlocks:
+            """The file's own blocks where the products are quantized and the file's format is served as is."""
+            blocks = w.blocks(p + name) if quantization == "int4" else None
+            return get(name) if blocks is None else blocks.map_rows(lambda t: t.to(device))
+
+        def linear(weight: torch.Tensor | QuantBlocks, bias: torch.Tensor | None = None) -> Linear | QuantLinear:
             return make_linear(weight, bias, quantization, dtype)
 
         def norm(name: str) -> torch.Tensor:
@@ -281,11 +287,19 @@ class _Layer:
         qkv_bias = None
         if config.attention_bias:
             qkv_bias = torch.cat([get(f"self_attn.{x}_proj.bias") for x in "qkv"])
-        self.qkv = linear(torch.cat([get(f"self_attn.{x}_proj.weight") for x in "qkv"]), qkv_bias)
-        self.o = linear(get("self_attn.o_proj.weight"))
-        gate, up = get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")
+        self.qkv = linear(_stack([matrix(f"self_attn.{x}_proj.weight") for x in "qkv"]), qkv_bias)
+        self.o = linear(matrix("self_attn.o_proj.weight"))
+        gate, up = matrix("mlp.gate_proj.weight"), matrix("mlp.up_proj.weight")
         self.gate_up = GateUp(gate, up, quantization, dtype, silu_kernel=fused, gelu=config.hidden_act == "gelu_tanh")
-        self.down = linear(get("mlp.down_proj.weight"))
+        self.down = linear(matrix("mlp.down_proj.weight"))
+
+
+def _stack(parts: list[torch.Tensor | QuantBlocks]) -> torch.Tensor | QuantBlocks:
+    """The rows of ``parts`` one after another: blocks where all are blocks of the same bits, else floats."""
+    blocks = [p for p in parts if isinstance(p, QuantBlocks)]
+    if len(blocks) == len(parts) and (stacked := QuantBlocks.cat(blocks)) is not None:
+        return stacked
+    return torch.cat([p.dequantize() if isinstance(p, QuantBlocks) else p for p in parts])
 
 
 def _norm_if(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -325,12 +339,16 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        self.embed = w["model.embed_tokens.weight"].to(device=self.device, dtype=dtype)
+        self.embed = w.read_as("model.embed_tokens.weight", dtype).to(self.device)
         tied = config.tie_word_embeddings or "lm_head.weight" not in w
-        head = w["model.embed_tokens.weight" if tied else "lm_head.weight"]
-        self.lm_head = self.embed if tied else head.to(self.device, dtype)
+        self.lm_head = self.embed if tied else w.read_as("lm_head.weight", dtype).to(self.device)
         head_bits = 8 if quantization != "none" and quant_kernel_available() else 4  # llama.cpp's Q8_0 output head
-        self.logits = make_linear(head.to(self.device), None, quantization, dtype, head_bits)
+        head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        file_blocks = w.blocks(head_name) if quantization == "int4" else None
+        if file_blocks is not None and (file_blocks.bits == 4 or head_bits == 8):  # the file's own head
+            self.logits = make_linear(file_blocks.map_rows(lambda t: t.to(self.device)), None, quantization, dtype)
+        else:
+            self.logits = make_linear(w[head_name].to(self.device), None, quantization, dtype, head_bits)
         self.norm = w["model.norm.weight"].to(device=self.device, dtype=torch.float32)
         self.quantization = quantization
         self.fused = self.device.type == "cpu" and config.plain_layers and kernels.supports(config, dtype)

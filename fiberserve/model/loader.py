@@ -13,6 +13,7 @@ the usual rotate-half RoPE gives the reference logits.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -31,6 +32,7 @@ from fiberserve.model.config import (
     model_format,
     open_gguf,
 )
+from fiberserve.model.quant_blocks import NATIVE_BITS, QuantBlocks
 
 
 class LazyWeights(Mapping[str, torch.Tensor]):
@@ -39,7 +41,27 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     def __init__(self, keep_open: Any = None) -> None:
         """``keep_open``: whatever must stay alive for the readers to work (the open files)."""
         self._readers: dict[str, Callable[[], torch.Tensor]] = {}
+        self._block_readers: dict[str, Callable[[], QuantBlocks]] = {}
+        self._typed_readers: dict[str, Callable[[torch.dtype], torch.Tensor]] = {}
         self._keep_open = keep_open
+
+    def add_blocks(self, name: str, reader: Callable[[], QuantBlocks]) -> None:
+        """How to read ``name``'s own blocks, for a file that stores it in a format served in its own blocks."""
+        self._block_readers[name] = reader
+
+    def read_as(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """``name`` in ``dtype`` without a float32 copy of the whole tensor where the file allows (a GGUF tensor
+        is dequantized a slice of rows at a time; a safetensors one is converted from its own dtype)."""
+        reader = self._typed_readers.get(name)
+        return reader(dtype) if reader is not None else self[name].to(dtype)
+
+    def add_typed(self, name: str, reader: Callable[[torch.dtype], torch.Tensor]) -> None:
+        self._typed_readers[name] = reader
+
+    def blocks(self, name: str) -> QuantBlocks | None:
+        """``name`` in the file's own blocks (read now, not kept), or None if the file stores it otherwise."""
+        reader = self._block_readers.get(name)
+        return None if reader is None else reader()
 
     def add(self, name: str, reader: Callable[[], torch.Tensor]) -> None:
         self._readers[name] = reader
@@ -48,6 +70,8 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         return self._readers[name]
 
     def remove(self, name: str) -> Callable[[], torch.Tensor]:
+        self._block_readers.pop(name, None)
+        self._typed_readers.pop(name, None)
         return self._readers.pop(name)
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -142,7 +166,12 @@ def load_gguf(path: Path) -> Checkpoint:
                 types.add(tensor.tensor_type.name)
             if permuted and part in ("attn_q", "attn_k"):
                 heads = config.num_heads if part == "attn_q" else config.num_kv_heads
-        weights.add(name, _gguf_reader(tensor, heads))
+        release = functools.partial(reader.release, tensor)  # each read drops the tensor's pages after it
+        weights.add(name, _gguf_reader(tensor, heads, release))
+        if heads is None and tensor.data.ndim == 2:
+            weights.add_typed(name, _gguf_typed_reader(tensor, release))
+        if tensor.tensor_type.name in NATIVE_BITS:
+            weights.add_blocks(name, _gguf_blocks_reader(tensor, heads, release))
     return Checkpoint(config, _split_fused(weights, config), freq_factors, frozenset(types))
 
 
@@ -156,9 +185,44 @@ def _dequantized(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def _gguf_reader(tensor: Any, unpermute_heads: int | None) -> Callable[[], torch.Tensor]:
+def _gguf_blocks_reader(
+    tensor: Any, unpermute_heads: int | None, release: Callable[[], None]
+) -> Callable[[], QuantBlocks]:
+    def read() -> QuantBlocks:
+        blocks = QuantBlocks.from_gguf(tensor.data, tensor.tensor_type.name)
+        release()
+        return blocks if unpermute_heads is None else blocks.map_rows(lambda t: _unpermute(t, unpermute_heads))
+
+    return read
+
+
+#: Rows a GGUF matrix is dequantized at a time where it is read straight into another dtype.
+ROWS_PER_SLICE = 4096
+
+
+def _gguf_typed_reader(tensor: Any, release: Callable[[], None]) -> Callable[[torch.dtype], torch.Tensor]:
+    def read(dtype: torch.dtype) -> torch.Tensor:
+        import gguf
+
+        rows = tensor.data.shape[0]
+        out = None
+        for start in range(0, rows, ROWS_PER_SLICE):
+            raw = gguf.quants.dequantize(tensor.data[start : start + ROWS_PER_SLICE], tensor.tensor_type)
+            part = torch.from_numpy(np.asarray(raw, dtype=np.float32))
+            if out is None:
+                out = torch.empty(rows, part.shape[1], dtype=dtype)
+            out[start : start + part.shape[0]] = part
+        release()
+        assert out is not None, "a matrix has rows"
+        return out
+
+    return read
+
+
+def _gguf_reader(tensor: Any, unpermute_heads: int | None, release: Callable[[], None]) -> Callable[[], torch.Tensor]:
     def read() -> torch.Tensor:
         value = _dequantized(tensor)
+        release()
         return value if unpermute_heads is None else _unpermute(value, unpermute_heads)
 
     return read
@@ -211,7 +275,10 @@ def load_hf_directory(path: Path) -> Checkpoint:
     offset = config.architecture in OFFSET_NORMS
     for file in files:
         for name in file.keys():  # noqa: SIM118 (a safetensors file is not a dict)
-            weights.add(name, _safetensors_reader(file, name, offset and name.endswith("norm.weight")))
+            plus_one = offset and name.endswith("norm.weight")
+            weights.add(name, _safetensors_reader(file, name, plus_one))
+            if not plus_one:
+                weights.add_typed(name, _safetensors_typed_reader(file, name))
     return Checkpoint(config, _split_fused(weights, config))
 
 
@@ -221,3 +288,7 @@ def _safetensors_reader(file: Any, name: str, plus_one: bool) -> Callable[[], to
         return value + 1 if plus_one else value
 
     return read
+
+
+def _safetensors_typed_reader(file: Any, name: str) -> Callable[[torch.dtype], torch.Tensor]:
+    return lambda dtype: file.get_tensor(name).to(dtype)

@@ -1,4 +1,5 @@
-"""The C allocator's settings for a process that allocates the same large tensors every step."""
+"""The C allocator's settings: while a model loads (temporaries freed at once), then while it serves (the same
+large tensors allocated every step)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,26 @@ import ctypes.util
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD = 32 << 20  # glibc's largest
 TRIM_THRESHOLD = 512 << 20
+#: While loading: blocks from this size on are mappings of their own, and the heap keeps little freed memory.
+LOADING_THRESHOLD = 1 << 20
+
+
+def _mallopt(mmap_threshold: int, trim_threshold: int) -> bool:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+
+
+def return_freed_buffers() -> bool:
+    """Give freed memory back to the system at once (glibc only; False elsewhere): for loading a model, whose
+    temporaries (a tensor dequantized, packed, then dropped) would otherwise stay resident in the heap."""
+    return _mallopt(LOADING_THRESHOLD, LOADING_THRESHOLD)
 
 
 def keep_freed_buffers() -> bool:
@@ -19,12 +40,4 @@ def keep_freed_buffers() -> bool:
     rows); by default glibc maps each afresh and unmaps it when freed, so every step pays a page fault per 4 KB
     touched.  Kept on the heap, the pages stay mapped and warm.
     """
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return _mallopt(MMAP_THRESHOLD, TRIM_THRESHOLD)

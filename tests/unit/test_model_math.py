@@ -132,25 +132,28 @@ def test_quantized_gguf_is_dequantized_by_the_gguf_package(tmp_path, qtype):
     assert (approx - full).abs().max() < (0.05 if qtype in ("F16", "BF16", "Q8_0") else 1.5)
 
 
-def test_the_fast_gguf_reader_reads_what_gguf_reads(tmp_path):
-    """``open_gguf`` reads through a plain view of the mapping (see its docstring): every field, tensor name,
-    type, shape and byte the same as ``gguf.GGUFReader``'s, the tensors still mapped, not copied."""
+def test_the_fast_gguf_reader_reads_what_gguf_reads(tiny_dirs, model_path):
+    """``open_gguf`` (``model/gguf_file.py``) reads every field, tensor name, type, shape and byte as
+    ``gguf.GGUFReader`` does, the tensors still mapped, not copied; string arrays are decoded on demand."""
     import gguf
     import numpy as np
 
     from fiberserve.model.config import open_gguf
+    from fiberserve.model.gguf_file import StringArray
 
-    path = write_gguf(tmp_path / "q.gguf", TINY, random_weights(TINY), qtype=gguf.GGMLQuantizationType.Q4_1)
-    ours, theirs = open_gguf(path), gguf.GGUFReader(str(path))
-    assert type(ours.data) is np.ndarray and type(theirs.data) is np.memmap  # the override ran
-    assert list(ours.fields) == list(theirs.fields)
-    assert all(ours.fields[key].contents() == theirs.fields[key].contents() for key in theirs.fields)
-    assert [(t.name, t.tensor_type, list(t.shape)) for t in ours.tensors] == [
-        (t.name, t.tensor_type, list(t.shape)) for t in theirs.tensors
-    ]
-    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
-        assert np.array_equal(a.data, b.data) and not a.data.flags.owndata
-    bad = tmp_path / "not-gguf.bin"
+    for path in (model_path, tiny_dirs["gguf"]):
+        ours, theirs = open_gguf(path), gguf.GGUFReader(str(path))
+        header = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}  # the reader's own pseudo-fields
+        assert list(ours.fields) == [key for key in theirs.fields if key not in header]
+        for key, field in ((k, f) for k, f in theirs.fields.items() if k not in header):
+            value = ours.fields[key]
+            assert (value.items() if isinstance(value, StringArray) else value) == field.contents(), key
+        assert [(t.name, t.tensor_type, list(t.shape)) for t in ours.tensors] == [
+            (t.name, t.tensor_type, list(t.shape)) for t in theirs.tensors
+        ]
+        for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+            assert a.data.shape == b.data.shape and np.array_equal(a.data, b.data) and not a.data.flags.owndata
+    bad = tiny_dirs["gguf"].parent / "not-gguf.bin"
     bad.write_bytes(b"GGML" + bytes(60))
     with pytest.raises(ValueError, match=r"--model .*not-gguf\.bin: not a GGUF file"):
         open_gguf(bad)
@@ -306,8 +309,8 @@ def test_greedy_gives_the_argmax_of_forward(tiny_dirs, quantization):
 
 @pytest.mark.parametrize("qtype", [None, "Q4_1", "Q4_0", "Q8_0"])
 def test_default_quantization_is_the_files_own_where_int4_is_faster(tmp_path, tiny_dirs, qtype):
-    """``--quantization auto``: int4 only for a GGUF whose decoder matrices are Q4_1 (int4's own blocks, so the
-    file's weights exactly), and only on a CPU whose bf16 products do not run on AMX tiles; else none."""
+    """``--quantization auto``: int4 only for a GGUF whose decoder matrices are Q4_0 or Q4_1 (served in their own
+    blocks, so the file's weights exactly), and only on a CPU whose bf16 products do not run on AMX tiles."""
     import gguf
 
     from fiberserve.engine.service import resolve_quantization
@@ -319,7 +322,7 @@ def test_default_quantization_is_the_files_own_where_int4_is_faster(tmp_path, ti
     assert ck.decoder_weight_types == {qtype or "F32"}
     kernels.load()
     int4_faster = "none" if kernels.bf16_amx() else "int4"
-    assert resolve_quantization("auto", ck, "cpu") == (int4_faster if qtype == "Q4_1" else "none")
+    assert resolve_quantization("auto", ck, "cpu") == (int4_faster if qtype in ("Q4_0", "Q4_1") else "none")
     assert resolve_quantization("auto", ck, "cuda") == "none"
     assert resolve_quantization("none", ck, "cpu") == "none" and resolve_quantization("int4", ck, "cpu") == "int4"
     hf = load_checkpoint(tiny_dirs["hf"])

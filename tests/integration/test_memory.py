@@ -1,0 +1,28 @@
+"""Loading a model takes about its serving weights of memory: no float32 copy of the model, at any time."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from memory_check import llama_shape, measure, write_model  # noqa: E402
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0"])
+def test_a_synthetic_model_loads_in_its_serving_weights_plus_a_little(tmp_path, kind):
+    shape = llama_shape(0.4)  # 0.4B parameters: 1.6 GB in float32, far above what the bound below allows
+    path = tmp_path / "synthetic.gguf"
+    write_model(path, shape, kind)
+    result = measure(path)
+    over = result["rss_peak"] - result["rss_before"]
+    # the file's own blocks, plus the bf16 embedding and the bf16 head the exact re-scoring of top logits reads
+    dense = 2 * shape["vocab"] * shape["hidden"] * 2
+    assert result["serving_bytes"] <= result["file_bytes"] + dense + 32 * MIB
+    assert over <= result["serving_bytes"] + 400 * MIB, {k: v / MIB for k, v in result.items() if "bytes" in k}

@@ -1,0 +1,82 @@
+"""GGUF block formats served in their own blocks: read bit-exactly as gguf reads them, multiplied as llama.cpp
+multiplies them, and put into the model untouched."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+
+from fiberserve.model import LlamaModel, kernels, load_checkpoint
+from fiberserve.model.linear import QuantLinear, quant_kernel_available
+from fiberserve.model.quant_blocks import NATIVE_BITS, QUANT_GROUP, QuantBlocks
+from tests.tiny_models import TINY, random_weights, write_gguf
+
+FORMATS = sorted(NATIVE_BITS)
+
+
+def file_tensor(kind: str, rows: int = 48, blocks: int = 4, seed: int = 0) -> np.ndarray:
+    """A matrix quantized by gguf into ``kind``'s bytes, [rows, bytes per row]."""
+    weight = np.random.default_rng(seed).normal(0, 0.1, (rows, blocks * QUANT_GROUP)).astype(np.float32)
+    weight[:, :5] *= 20  # a few large values: blocks whose scale and min differ
+    return quantize(weight, gguf.GGMLQuantizationType[kind])
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_blocks_dequantize_bit_exactly_as_gguf_does(kind):
+    raw = file_tensor(kind)
+    blocks = QuantBlocks.from_gguf(raw, kind)
+    assert blocks.bits == NATIVE_BITS[kind] and int(blocks.q.max()) < 2**blocks.bits
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(dequantize(raw, gguf.GGMLQuantizationType[kind])))
+    # w == scale * q + min too, with min exactly -zero * scale where the format has a zero
+    assert torch.equal(blocks.scale.half().float(), blocks.scale) and torch.equal(blocks.min.half().float(), blocks.min)
+    wide = blocks.scale[..., None] * blocks.q.float().view(48, -1, QUANT_GROUP) + blocks.min[..., None]
+    torch.testing.assert_close(wide.view(48, -1), blocks.dequantize(), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_quantizing_a_files_weights_gives_its_own_blocks_back(kind):
+    raw = file_tensor(kind)
+    own = QuantBlocks.from_gguf(raw, kind)
+    again = QuantBlocks.quantize(own.dequantize(), own.bits)
+    assert torch.equal(again.q, own.q) and torch.equal(again.scale, own.scale) and torch.equal(again.min, own.min)
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_the_product_is_the_blocks_times_int8_activations(kind):
+    if NATIVE_BITS[kind] == 8 and not quant_kernel_available():
+        pytest.skip("8-bit blocks need the extension's kernel (AVX512-VNNI or AVX2)")
+    blocks = QuantBlocks.from_gguf(file_tensor(kind), kind)
+    weight = blocks.dequantize()
+    x = torch.randn(5, weight.shape[1])
+    layer = QuantLinear(blocks, dtype=torch.float32)
+    if layer.native:  # llama.cpp's arithmetic: activations in int8 per block of 32
+        grouped = x.view(5, -1, QUANT_GROUP)
+        step = grouped.abs().amax(-1, keepdim=True) / 127
+        x = (torch.round(grouped / step) * step).view(5, -1)
+    torch.testing.assert_close(layer(x), x @ weight.T, atol=1e-4, rtol=1e-4)
+    assert torch.equal(layer(x[:1]), layer(x)[:1])
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_a_file_in_a_served_format_runs_in_its_own_blocks(tmp_path, kind):
+    if NATIVE_BITS[kind] == 8 and not quant_kernel_available():
+        pytest.skip("8-bit blocks need the extension's kernel (AVX512-VNNI or AVX2)")
+    cfg = {**TINY, "hidden_size": 64, "intermediate_size": 256}
+    path = write_gguf(tmp_path / "q.gguf", cfg, random_weights(cfg, seed=5), qtype=gguf.GGMLQuantizationType[kind])
+    checkpoint = load_checkpoint(path)
+    model = LlamaModel(checkpoint, torch.bfloat16, quantization="int4")
+    own = checkpoint.weights.blocks("model.layers.1.mlp.down_proj.weight")
+    assert own is not None
+    down = model.layers[1].down
+    if down.native:
+        packed = kernels.quant_pack(own.q, own.scale, own.min, own.bits)
+        assert torch.equal(down.weight, packed[0]) and torch.equal(down.scales, packed[1])
+    # the whole model: close to the file's weights computed in float32
+    tokens = [5, 17, 200, 3, 99, 42, 7]
+    from tests.unit.test_model_math import logits_of
+
+    exact = logits_of(LlamaModel(load_checkpoint(path)), tokens)
+    assert (logits_of(model, tokens) - exact).abs().max() < 0.2
