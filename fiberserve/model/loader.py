@@ -175,11 +175,11 @@ def load_gguf(path: Path) -> Checkpoint:
     return Checkpoint(config, _split_fused(weights, config), freq_factors, frozenset(types))
 
 
-def _dequantized(tensor: Any) -> torch.Tensor:
-    """A GGUF tensor as a float32 tensor of its own (the file's mapping is read-only)."""
+def _dequantized(tensor: Any, rows: slice = slice(None)) -> torch.Tensor:
+    """A GGUF tensor's ``rows`` as a float32 tensor of its own (the file's mapping is read-only)."""
     import gguf
 
-    array = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    array = np.asarray(gguf.quants.dequantize(tensor.data[rows], tensor.tensor_type), dtype=np.float32)
     if not array.flags.writeable:  # the file's own float32 data, mapped read-only: copied
         array = array.copy()
     return torch.from_numpy(array)
@@ -202,13 +202,10 @@ ROWS_PER_SLICE = 4096
 
 def _gguf_typed_reader(tensor: Any, release: Callable[[], None]) -> Callable[[torch.dtype], torch.Tensor]:
     def read(dtype: torch.dtype) -> torch.Tensor:
-        import gguf
-
         rows = tensor.data.shape[0]
         out = None
         for start in range(0, rows, ROWS_PER_SLICE):
-            raw = gguf.quants.dequantize(tensor.data[start : start + ROWS_PER_SLICE], tensor.tensor_type)
-            part = torch.from_numpy(np.asarray(raw, dtype=np.float32))
+            part = _dequantized(tensor, slice(start, start + ROWS_PER_SLICE))
             if out is None:
                 out = torch.empty(rows, part.shape[1], dtype=dtype)
             out[start : start + part.shape[0]] = part
