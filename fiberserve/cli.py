@@ -70,6 +70,8 @@ HELP = {
         "blocks, as Qwen2.5 and Hermes models write them)"
     ),
     "shutdown_timeout": "seconds SIGTERM lets in-flight requests finish before aborting them",
+    "replicas": "replicas on Ray Serve behind this endpoint, each a whole engine (fiberserve[ray]); 0 = one process",
+    "ray_address": "the Ray cluster to join (auto, or HOST:PORT of its head); default: start a local one",
     "check_integrity": "check the engine's invariants (pages, references, queues, fibers) each time it goes idle",
     "stay_up_on_load_failure": (
         "when the model fails to load, stay up answering 503 with the error instead of exiting with status 1"
@@ -204,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     config = server_config(_settings(args))
     if args.command == "serve":
+        if config.replicas > 0:
+            from fiberserve.cluster.ray_serve import run_cluster
+
+            return run_cluster(config)
         from fiberserve.server import run_server
 
         return run_server(config)

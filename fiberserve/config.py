@@ -107,6 +107,10 @@ class ServerConfig:
     #: A model that fails to load: exit non-zero with its error (as vLLM, SGLang and llama-server do, and as
     #: process managers expect), or with this set, stay up answering 503 with the error (``/health``: "failed").
     stay_up_on_load_failure: bool = False
+    #: Replicas on Ray Serve behind this one endpoint, each a whole engine (``fiberserve[ray]``); 0: one process.
+    replicas: int = 0
+    #: The Ray cluster to join (``auto``, or ``HOST:PORT`` of its head); None: start a local one.
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:

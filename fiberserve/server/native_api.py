@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -60,6 +62,8 @@ async def server_info(request: Request) -> dict:
     pool = service.pool.stats() if service.pool else None
     return {
         "version": __version__,
+        # which process answered: behind Ray Serve, one of several replicas
+        "replica": {"host": socket.gethostname(), "pid": os.getpid()},
         "model_path": service.model_path,
         "served_model_name": state.model_name,
         "device": cfg.device,
