@@ -72,6 +72,10 @@ HELP = {
     "shutdown_timeout": "seconds SIGTERM lets in-flight requests finish before aborting them",
     "replicas": "replicas on Ray Serve behind this endpoint, each a whole engine (fiberserve[ray]); 0 = one process",
     "ray_address": "the Ray cluster to join (auto, or HOST:PORT of its head); default: start a local one",
+    "prefix_routing": "send a prompt to the replica that served its prefix while load is balanced (Ray Serve)",
+    "min_replicas": "autoscaling (with --max-replicas): the fewest replicas",
+    "max_replicas": "autoscale between --min-replicas and this many replicas on requests in progress",
+    "target_ongoing_requests": "autoscaling: requests in progress per replica it aims at",
     "check_integrity": "check the engine's invariants (pages, references, queues, fibers) each time it goes idle",
     "stay_up_on_load_failure": (
         "when the model fails to load, stay up answering 503 with the error instead of exiting with status 1"

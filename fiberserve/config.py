@@ -111,6 +111,14 @@ class ServerConfig:
     replicas: int = 0
     #: The Ray cluster to join (``auto``, or ``HOST:PORT`` of its head); None: start a local one.
     ray_address: str | None = None
+    #: Autoscaling on Ray Serve (with ``max_replicas`` set): between these many replicas, aiming at this many
+    #: requests in progress per replica; ``replicas`` is then where it starts.
+    #: Route a request to the replica that served its prompt's prefix while load is balanced (Ray Serve's default
+    #: power-of-two-choices router otherwise).
+    prefix_routing: bool = True
+    min_replicas: int = 1
+    max_replicas: int | None = None
+    target_ongoing_requests: float = 16.0
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:

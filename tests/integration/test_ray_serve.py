@@ -1,13 +1,19 @@
-"""fiberserve on Ray Serve: two replicas of one thread each on a local Ray cluster, one endpoint, real clients."""
+"""fiberserve on Ray Serve: two replicas of one thread each on a local Ray cluster, one endpoint, real clients;
+prefix-aware routing; a replica killed under load (last: it changes the cluster)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import subprocess
+import threading
+import time
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.server_utils import ServerProcess
 from tests.integration.test_server import run_sgl
@@ -57,6 +63,8 @@ def test_both_replicas_answer(cluster):
             if len(replicas) == 2:
                 break
     assert len(replicas) == 2
+    health = httpx.get(cluster.url + "/health").json()
+    assert health == {"status": "ok", "replicas": {"running": 2, "target": 2}}
 
 
 def test_the_openai_client_streams_through_the_endpoint(cluster):
@@ -80,3 +88,98 @@ def test_sglang_run_batch_through_the_replicas_equals_one_at_a_time(cluster):
     sequential = run_sgl(cluster, questions, 0.0, "seq", 32)
     assert all(s["error"] is None for s in batched)
     assert batched == sequential
+
+
+def _chat(url: str, system: str, question: str) -> tuple[str, int, int]:
+    """(the replica that answered, prompt tokens, of them from its prefix cache)."""
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+    r = httpx.post(url + "/v1/chat/completions", json={**body, "max_tokens": 2, "temperature": 0}, timeout=120)
+    usage = r.json()["usage"]
+    return r.headers["x-fiberserve-replica"], usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_requests_sharing_a_long_prefix_go_to_the_replica_that_served_it(cluster):
+    systems = [
+        f"You are assistant {k}. " + "Answer carefully and briefly, citing facts where you can. " * 6 for k in range(6)
+    ]
+    served: dict[int, set[str]] = {k: set() for k in range(len(systems))}
+    cached = []
+    for round_ in range(3):  # one at a time: load stays balanced, so the prefix decides
+        for k, system in enumerate(systems):
+            replica, prompt, hit = _chat(cluster.url, system, f"Question {round_}-{k}: what is {k} plus {round_}?")
+            served[k].add(replica)
+            if round_:
+                cached.append(hit / prompt)
+    assert all(len(replicas) == 1 for replicas in served.values()), served
+    assert len(set().union(*served.values())) == 2  # new prefixes still spread over both replicas
+    assert min(cached) > 0.5  # every repeat found its system prompt's pages
+
+
+def _metrics(url: str) -> dict[tuple[str, str, str], float]:
+    families = text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
+    return {
+        (s.name, s.labels.get("replica", ""), s.labels.get("state", "")): s.value for f in families for s in f.samples
+    }
+
+
+def test_metrics_hold_every_replicas_series_labelled(cluster):
+    time.sleep(3)  # a push interval: the replicas' latest counts
+    samples = _metrics(cluster.url)
+    replicas = {replica for name, replica, _ in samples if name == "fiberserve_generation_tokens_total"}
+    assert len(replicas) == 2 and "" not in replicas
+    assert sum(v for (name, _, _), v in samples.items() if name == "fiberserve_generation_tokens_total") > 0
+
+
+def _replica_pids() -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "ServeReplica:fiberserve:EngineReplica"], capture_output=True, text=True)
+    return [int(pid) for pid in out.stdout.split()]
+
+
+def test_a_replica_killed_under_load(cluster):
+    """kill -9 of one replica: requests that had received nothing are retried on the other; streams cut short end
+    with an error naming the cause; nothing on the healthy replica fails; /health degrades, then recovers; the
+    survivor holds no pages afterwards."""
+    results: list[tuple[bool, str | None, bool]] = []  # (streamed, replica, completed)
+
+    def request(i: int) -> None:
+        stream = i % 2 == 0
+        params = {"max_new_tokens": 150, "temperature": 0, "ignore_eos": True}
+        body = {"text": f"Request {i}: count slowly to one hundred:", "sampling_params": params, "stream": stream}
+        with httpx.stream("POST", cluster.url + "/generate", json=body, timeout=300) as r:
+            text = b"".join(r.iter_bytes()).decode()
+            completed = r.status_code == 200 and '"error"' not in text
+            if stream:
+                completed = completed and text.rstrip().endswith("data: [DONE]")
+                assert completed or "the replica serving this request failed: ActorDiedError" in text, text[-300:]
+            results.append((stream, r.headers.get("x-fiberserve-replica"), completed))
+
+    threads = [threading.Thread(target=request, args=(i,)) for i in range(24)]
+    for thread in threads:
+        thread.start()
+    time.sleep(3)  # the streams have begun
+    victim, survivors = _replica_pids()[0], _replica_pids()[1:]
+    os.kill(victim, signal.SIGKILL)
+    for thread in threads:
+        thread.join()
+    assert len(results) == 24
+    failed = [(stream, replica) for stream, replica, completed in results if not completed]
+    assert all(stream for stream, _ in failed), "a request that had received nothing was not retried"
+    healthy = {replica for _, replica, completed in results if completed}
+    assert not any(replica in healthy for _, replica in failed), "a request on the healthy replica failed"
+    deadline = time.monotonic() + 120
+    while (health := httpx.get(cluster.url + "/health").json())["status"] != "ok":
+        assert health["status"] == "degraded" and time.monotonic() < deadline, health
+        time.sleep(1)
+    assert len(_replica_pids()) == 2 and survivors[0] in _replica_pids()
+    deadline = time.monotonic() + 30  # the dead replica's last series go stale; the live ones are pushed again
+    while True:
+        pages = {
+            (replica, state): v
+            for (name, replica, state), v in _metrics(cluster.url).items()
+            if name == "fiberserve_kv_pages"
+        }
+        used = [v for (_, state), v in pages.items() if state == "used"]
+        if len(used) == 2 and not any(used):
+            break
+        assert time.monotonic() < deadline, pages
+        time.sleep(1)
