@@ -76,6 +76,7 @@ HELP = {
     "min_replicas": "autoscaling (with --max-replicas): the fewest replicas",
     "max_replicas": "autoscale between --min-replicas and this many replicas on requests in progress",
     "target_ongoing_requests": "autoscaling: requests in progress per replica it aims at",
+    "autoscale_delay_s": "autoscaling: seconds the load must call for more (or fewer) replicas before it acts",
     "check_integrity": "check the engine's invariants (pages, references, queues, fibers) each time it goes idle",
     "stay_up_on_load_failure": (
         "when the model fails to load, stay up answering 503 with the error instead of exiting with status 1"

@@ -119,6 +119,8 @@ class ServerConfig:
     min_replicas: int = 1
     max_replicas: int | None = None
     target_ongoing_requests: float = 16.0
+    #: Seconds the load must call for more (or fewer) replicas before the autoscaler adds (or removes) one.
+    autoscale_delay_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:

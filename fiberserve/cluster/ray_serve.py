@@ -255,11 +255,14 @@ class Frontend:
 
         status = serve.status().applications[APP_NAME].deployments[ENGINE]
         running = sum(count for state, count in status.replica_states.items() if state == "RUNNING")
-        target = getattr(status, "target_num_replicas", None) or self.config.replicas or running
-        state = "ok" if running >= target else "degraded" if running else "unavailable"
-        return JSONResponse(
-            {"status": state, "replicas": {"running": running, "target": target}}, 200 if running else 503
-        )
+        config = self.config
+        wanted = config.min_replicas if config.max_replicas else config.replicas  # the fewest it should run
+        healthy = running >= wanted and status.status != "UNHEALTHY"
+        state = "ok" if healthy else "degraded" if running else "unavailable"
+        replicas = {"running": running, "target": config.replicas}
+        if config.max_replicas:
+            replicas = {"running": running, "min": config.min_replicas, "max": config.max_replicas}
+        return JSONResponse({"status": state, "replicas": replicas}, 200 if running else 503)
 
     async def metrics(self, request: Any) -> Any:
         import ray
@@ -328,6 +331,10 @@ def build_application(config: ServerConfig) -> Any:
                 initial_replicas=max(config.min_replicas or 1, min(config.replicas, config.max_replicas)),
                 max_replicas=config.max_replicas,
                 target_ongoing_requests=config.target_ongoing_requests,
+                upscale_delay_s=config.autoscale_delay_s,
+                downscale_delay_s=config.autoscale_delay_s,
+                metrics_interval_s=min(10.0, config.autoscale_delay_s),
+                look_back_period_s=min(30.0, 2 * config.autoscale_delay_s),
             ),
         }
     replicas = serve.deployment(

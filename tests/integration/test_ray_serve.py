@@ -31,7 +31,18 @@ def cluster(cache_dir, tmp_path_factory):
     )
     server.wait_ready(timeout=300)
     yield server
+    # SIGTERM drains: a request in flight when it comes still gets its whole answer
+    answers = []
+    params = {"max_new_tokens": 96, "temperature": 0, "ignore_eos": True}
+    body = {"text": "Count to fifty:", "sampling_params": params}
+    in_flight = threading.Thread(
+        target=lambda: answers.append(httpx.post(server.url + "/generate", json=body, timeout=120))
+    )
+    in_flight.start()
+    time.sleep(1)
     assert server.stop(signal.SIGTERM, timeout=120) == 0, server.log_path.read_text()[-3000:]
+    in_flight.join()
+    assert answers[0].status_code == 200 and len(answers[0].json()["output_ids"]) == 96
 
 
 async def _generate_all(url: str, prompts: list[str], tokens: int) -> list[dict]:
