@@ -223,22 +223,38 @@ class Frontend:
             prompt_text(body),
         )
         cause: BaseException | None = None
-        for _ in range(FORWARD_TRIES):  # only while the replica has answered nothing: then a retry is safe
+        for _ in range(FORWARD_TRIES):  # only while the replica has sent no byte of the answer: then a retry is safe
             stream = self.replicas.http.remote(forwarded)
             try:
-                start = await stream.__anext__()
+                start, first = await self._first_bytes(stream)
             except Exception as exc:  # the replica died, or Ray could not reach it
                 cause = exc
                 log.warning("a replica failed before answering %s: %s; trying another", request.url.path, exc)
                 continue
             headers = {k.decode(): v.decode() for k, v in start.get("headers", []) if k.lower() != b"content-length"}
-            return StreamingResponse(self._rest(stream), status_code=start["status"], headers=headers)
+            return StreamingResponse(self._rest(first, stream), status_code=start["status"], headers=headers)
         message = f"no replica could answer: {_cause(cause)}"
         return JSONResponse(error_body(message, "server_error", code=503), 503)
 
     @staticmethod
-    async def _rest(stream: Any) -> AsyncIterator[bytes]:
+    async def _first_bytes(stream: Any) -> tuple[dict, list[bytes]]:
+        """The answer's start, and its body up to its first bytes (a stream's start comes before any token)."""
+        start = await stream.__anext__()
+        first: list[bytes] = []
+        while not first:
+            message = await stream.__anext__()
+            first.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+            if not first[-1]:
+                first.pop()
+        return start, first
+
+    @staticmethod
+    async def _rest(first: list[bytes], stream: Any) -> AsyncIterator[bytes]:
         """The answer's body as the replica sends it; a replica lost mid-answer ends it with an error event."""
+        for chunk in first:
+            yield chunk
         try:
             async for message in stream:
                 if message.get("body"):
