@@ -2,17 +2,16 @@
 
 A request whose prompt shares a long prefix with earlier ones goes to the replica that served them, whose prefix
 cache holds that prefix's KV pages, as long as load is balanced (the replicas' queue lengths within
-``imbalance`` of each other); otherwise, and for a prompt nobody has seen, the least loaded of two replicas
-picked at random (Serve's power of two choices).
+``imbalance`` of each other); otherwise, and for a prompt nobody has seen, the least loaded replica.
 
 Prefixes are remembered as a chain of hashes over fixed chunks of the prompt's text: chunk i's key hashes chunk
 i's text with chunk i - 1's key, so a key stands for the whole prefix up to it, and the deepest key a prompt
-shares with a routed one is their longest common prefix in whole chunks.
+shares with a routed one is their longest common prefix in whole chunks.  Otherwise the request goes to the
+least loaded replica: every candidate is one rank, and Serve probes their queue lengths and takes the shortest.
 """
 
 from __future__ import annotations
 
-import random
 from collections import OrderedDict
 from typing import Any
 
@@ -57,8 +56,8 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         owner = self._owner(prompt_of(pending_request), by_id)
         if owner is not None and self._balanced(candidate_replicas):
             rest = [r for r in candidate_replicas if r.replica_id != owner.replica_id]
-            return [[owner], random.sample(rest, min(2, len(rest)))] if rest else [[owner]]
-        return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+            return [[owner], rest] if rest else [[owner]]
+        return [list(candidate_replicas)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         keys = prefix_keys(prompt_of(pending_request))

@@ -355,7 +355,7 @@ def build_application(config: ServerConfig) -> Any:
         }
     replicas = serve.deployment(
         name=ENGINE,
-        ray_actor_options={"num_cpus": threads},
+        ray_actor_options={"num_cpus": threads, "num_gpus": 1 if config.engine.device.startswith("cuda") else 0},
         # The engine batches and queues itself (up to max_running + max_queue sequences): Serve must not cap the
         # requests a replica holds far below that.
         max_ongoing_requests=engine.max_running + engine.max_queue,

@@ -3,8 +3,9 @@
 Two kinds of block, by the bits of ``q``:
 
 * 4 bits (``q`` in 0..15, any ``min``): llama.cpp's Q4_1, and Q4_0 (``w = d * (q - 8)``, so ``min = -8 d``);
-* 8 bits (``q`` in 0..255 with ``min = -128 scale``): llama.cpp's Q8_0 (its signed q stored as q + 128), and
-  Q5_0 (``w = d * (q - 16)`` with q in 0..31, stored as q + 112).
+* 8 bits (``q`` in 0..255 with ``min = -128 scale``): llama.cpp's Q8_0 (its signed q stored as q + 128),
+  Q5_0 (``w = d * (q - 16)`` with q in 0..31, stored as q + 112), and IQ4_NL (``w = d * table[q]``, its 4-bit
+  index looked up in llama.cpp's table of 16 int8 values, stored as table[q] + 128).
 
 Scales and mins hold float16 values (as the files store them), so a file in one of these formats is served in its
 own blocks (:meth:`QuantBlocks.from_gguf`) and its weights are exactly what llama.cpp reads; any other matrix is
@@ -22,7 +23,10 @@ import torch
 QUANT_GROUP = 32
 
 #: The GGUF block formats served in their own blocks, and the bits of their ``q`` here.
-NATIVE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q8_0": 8}
+NATIVE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q8_0": 8, "IQ4_NL": 8}
+
+#: IQ4_NL's values for its 4-bit indices (llama.cpp's ``kvalues_iq4nl``).
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int16)
 
 
 @dataclass
@@ -69,7 +73,8 @@ class QuantBlocks:
     def from_gguf(cls, raw: np.ndarray, type_name: str) -> QuantBlocks:
         """The blocks of a GGUF tensor of a :data:`NATIVE_BITS` format; ``raw`` uint8 [N, bytes per row]."""
         n = raw.shape[0]
-        blocks = np.ascontiguousarray(raw).reshape(n, -1, {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}[type_name])
+        sizes = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "IQ4_NL": 18}
+        blocks = np.ascontiguousarray(raw).reshape(n, -1, sizes[type_name])
         d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
         if type_name == "Q8_0":
             q = blocks[..., 2:].view(np.int8).astype(np.int16) + 128
@@ -79,6 +84,8 @@ class QuantBlocks:
             return cls._of(_nibbles(blocks[..., 4:]), d, m, 4, None)
         if type_name == "Q4_0":
             return cls._of(_nibbles(blocks[..., 2:]), d, -8 * d, 4, 8)
+        if type_name == "IQ4_NL":
+            return cls._of(IQ4_NL_VALUES[_nibbles(blocks[..., 2:])] + 128, d, -128 * d, 8, 128)
         if type_name == "Q5_0":
             high = blocks[..., 2:6].copy().view(np.uint32)  # bit j: the fifth bit of element j
             fifth = (high >> np.arange(QUANT_GROUP, dtype=np.uint32)) & 1
