@@ -7,11 +7,13 @@ cache holds that prefix's KV pages, as long as load is balanced (the replicas' q
 Prefixes are remembered as a chain of hashes over fixed chunks of the prompt's text: chunk i's key hashes chunk
 i's text with chunk i - 1's key, so a key stands for the whole prefix up to it, and the deepest key a prompt
 shares with a routed one is their longest common prefix in whole chunks.  Otherwise the request goes to the
-least loaded replica: every candidate is one rank, and Serve probes their queue lengths and takes the shortest.
+least loaded replica: every candidate is one rank, shuffled, and Serve probes their queue lengths and takes the
+shortest (equal ones, whichever comes first).
 """
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 from typing import Any
 
@@ -56,8 +58,8 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         owner = self._owner(prompt_of(pending_request), by_id)
         if owner is not None and self._balanced(candidate_replicas):
             rest = [r for r in candidate_replicas if r.replica_id != owner.replica_id]
-            return [[owner], rest] if rest else [[owner]]
-        return [list(candidate_replicas)]
+            return [[owner], random.sample(rest, len(rest))] if rest else [[owner]]
+        return [random.sample(candidate_replicas, len(candidate_replicas))]  # shuffled: ties go anywhere
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         keys = prefix_keys(prompt_of(pending_request))
