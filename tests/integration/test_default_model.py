@@ -123,3 +123,20 @@ def test_offline_llm_and_cli_generate_agree(cache_dir):
     )
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout == out.outputs[0].text + "\n"
+
+
+def test_our_gguf_reader_reads_the_default_model_as_gguf_does(model_path):
+    import gguf
+    import numpy as np
+
+    from fiberserve.model.config import open_gguf
+    from fiberserve.model.gguf_file import StringArray
+
+    ours, theirs = open_gguf(Path(model_path)), gguf.GGUFReader(model_path)
+    header = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}  # the reader's own pseudo-fields
+    for key, field in ((k, f) for k, f in theirs.fields.items() if k not in header):
+        value = ours.fields[key]
+        assert (value.items() if isinstance(value, StringArray) else value) == field.contents(), key
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.name, a.tensor_type, a.data.shape) == (b.name, b.tensor_type, b.data.shape)
+        assert np.array_equal(a.data, b.data)

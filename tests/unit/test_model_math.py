@@ -132,7 +132,7 @@ def test_quantized_gguf_is_dequantized_by_the_gguf_package(tmp_path, qtype):
     assert (approx - full).abs().max() < (0.05 if qtype in ("F16", "BF16", "Q8_0") else 1.5)
 
 
-def test_the_fast_gguf_reader_reads_what_gguf_reads(tiny_dirs, model_path):
+def test_the_fast_gguf_reader_reads_what_gguf_reads(tiny_dirs, tmp_path):
     """``open_gguf`` (``model/gguf_file.py``) reads every field, tensor name, type, shape and byte as
     ``gguf.GGUFReader`` does, the tensors still mapped, not copied; string arrays are decoded on demand."""
     import gguf
@@ -141,7 +141,20 @@ def test_the_fast_gguf_reader_reads_what_gguf_reads(tiny_dirs, model_path):
     from fiberserve.model.config import open_gguf
     from fiberserve.model.gguf_file import StringArray
 
-    for path in (model_path, tiny_dirs["gguf"]):
+    # a file with every kind of metadata a model file holds: strings, numbers, and arrays of both
+    kinds = tmp_path / "kinds.gguf"
+    writer = gguf.GGUFWriter(str(kinds), "llama")
+    writer.add_token_list(["<s>", "héllo", "", "▁world"] * 50)
+    writer.add_token_types([1, 2, 3, 6] * 50)
+    writer.add_token_scores([0.5, -1.25, 0.0, 3.0] * 50)
+    writer.add_chat_template("{{ messages }}")
+    writer.add_rope_freq_base(5e5)
+    writer.add_tensor("blk.0.ffn_up.weight", np.arange(64, dtype=np.float32).reshape(2, 32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for path in (kinds, tiny_dirs["gguf"]):
         ours, theirs = open_gguf(path), gguf.GGUFReader(str(path))
         header = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}  # the reader's own pseudo-fields
         assert list(ours.fields) == [key for key in theirs.fields if key not in header]
