@@ -96,24 +96,38 @@ _GGUF_NAMES = {
 }
 
 
-def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], qtype=None) -> Path:
-    """A GGUF file as llama.cpp's converter writes it; 2-D weights quantized to ``qtype`` if given."""
+def _gguf_writer(path: Path, arch: str, cfg: dict, rope_theta: float, bos: int, eos: int):
+    """A GGUF writer holding the shape keys llama.cpp's converter writes, from a Hugging Face ``cfg``."""
     import gguf
-    from gguf.quants import quantize
 
-    w = gguf.GGUFWriter(str(path), "llama")
-    H, KVH = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(H)
-    w.add_head_count_kv(KVH)
-    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(rope_theta)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
+    return w
+
+
+def _write_out(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], qtype=None) -> Path:
+    """A GGUF file as llama.cpp's converter writes it; 2-D weights quantized to ``qtype`` if given."""
+    from gguf.quants import quantize
+
+    H, KVH = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = _gguf_writer(path, "llama", cfg, cfg["rope_theta"], cfg["bos_token_id"], cfg["eos_token_id"])
     if cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
 
@@ -136,10 +150,7 @@ def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], qtype=No
             elif gguf_name == "attn_k.weight":
                 value = _permute(value, KVH)
             put(f"blk.{i}.{gguf_name}", value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_out(w)
     return path
 
 
@@ -184,30 +195,17 @@ def write_transformers_model(path: Path, arch: str, seed: int = 0, **overrides) 
 def write_gguf_like_llama_cpp(path: Path, hf_dir: Path) -> Path:
     """The GGUF file llama.cpp's converter writes for a Qwen3, Gemma 2/3 or Phi-3 directory: its metadata keys, its
     tensor names, Gemma's norms stored as 1 + w, Phi-3's projections fused, nothing permuted."""
-    import gguf
     from safetensors.torch import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"])
     weights = {k: v.float() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
-    H, KVH = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // H
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or {}
     rope = rope.get("full_attention") or rope
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(H)
-    w.add_head_count_kv(KVH)
+    w = _gguf_writer(path, arch, cfg, rope.get("rope_theta", 10000.0), bos=1, eos=2)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
     if arch.startswith("gemma"):
         w.add_sliding_window(cfg["sliding_window"])
     if cfg.get("attn_logit_softcapping"):
@@ -250,8 +248,5 @@ def write_gguf_like_llama_cpp(path: Path, hf_dir: Path) -> Path:
             base, kind = rest.rsplit(".", 1)
             gguf_name = f"blk.{layer}.{names[base]}.{kind}"
         w.add_tensor(gguf_name, np.ascontiguousarray(value.numpy(), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_out(w)
     return path

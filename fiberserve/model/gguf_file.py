@@ -57,8 +57,6 @@ class GgufFile:
     :class:`.UnsupportedModelError` for a tensor type the installed ``gguf`` package does not know."""
 
     def __init__(self, path: str | Path) -> None:
-        from fiberserve.model.config import UnsupportedModelError
-
         with open(path, "rb") as file:
             size = file.seek(0, 2)
             self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
@@ -78,7 +76,7 @@ class GgufFile:
         infos = [self._tensor_info() for _ in range(tensor_count)]
         alignment = int(self.fields.get("general.alignment", _DEFAULT_ALIGNMENT))
         start = -(-self._offset // alignment) * alignment
-        self.tensors = [self._tensor(start, *info, UnsupportedModelError) for info in infos]
+        self.tensors = [self._tensor(start, *info) for info in infos]
 
     def release(self, tensor: GgufTensor) -> None:
         """Drop ``tensor``'s pages from this process's memory once read (the file stays mapped; a later read
@@ -142,13 +140,15 @@ class GgufFile:
         kind, offset = self._unpack("<IQ")
         return name, shape, kind, offset
 
-    def _tensor(self, start: int, name: str, shape: tuple[int, ...], kind: int, offset: int, unsupported) -> GgufTensor:
+    def _tensor(self, start: int, name: str, shape: tuple[int, ...], kind: int, offset: int) -> GgufTensor:
         import gguf
+
+        from fiberserve.model.config import UnsupportedModelError  # config imports this module
 
         try:
             tensor_type = gguf.GGMLQuantizationType(kind)
         except ValueError:
-            raise unsupported(
+            raise UnsupportedModelError(
                 f"tensor {name!r} has GGML type {kind}, which the installed gguf package does not know"
             ) from None
         block, size = gguf.GGML_QUANT_SIZES[tensor_type]

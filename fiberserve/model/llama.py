@@ -328,8 +328,9 @@ class LlamaModel:
         quantization: str = "none",
         progress: bool = False,
     ) -> None:
-        """``quantization="int4"``: the decoder layers' weights in Q4_1 blocks and the output head in Q8_0
-        blocks (4-bit where the CPU has neither AVX512-VNNI nor AVX2), computed as llama.cpp does (see
+        """``quantization="int4"``: every matrix a GGUF file stores in a format served as is (``NATIVE_BITS``) in
+        the file's own blocks; the others in Q4_1 blocks, the output head in Q8_0 (4-bit where the CPU has neither
+        AVX512-VNNI nor AVX2); computed as llama.cpp does (see
         :class:`.QuantLinear`; CPU only); embeddings and norms stay in ``dtype``, and the top candidates the head
         picks are re-scored exactly by :meth:`_refine_top` from the ``dtype`` weights."""
         if quantization != "none" and torch.device(device).type != "cpu":
@@ -502,10 +503,10 @@ class LlamaModel:
         cfg, dtype, eps = self.config, self.dtype, self.eps
         H, KVH, D, W = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         T, new = h.shape[0], write_slots.numel()
-        tables = {
-            None: (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)),
-            "local": (self.local_cos[positions].unsqueeze(1), self.local_sin[positions].unsqueeze(1)),
-        }
+        rope = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        local_rope = rope  # the sliding-window layers' own, where their RoPE base differs
+        if self.local_cos is not self.cos:
+            local_rope = (self.local_cos[positions].unsqueeze(1), self.local_sin[positions].unsqueeze(1))
         for index, layer in enumerate(self.layers):
             window = cfg.layer_window(index)
             x = F.rms_norm(h, (W,), layer.attn_norm, eps).to(dtype)
@@ -514,7 +515,7 @@ class LlamaModel:
             if layer.q_norm is not None and layer.k_norm is not None:
                 q = F.rms_norm(qk[:, :H].float(), (D,), layer.q_norm, eps)
                 qk = torch.cat([q, F.rms_norm(qk[:, H:].float(), (D,), layer.k_norm, eps)], 1).to(dtype)
-            qk = self._rope(qk, *tables["local" if window else None])
+            qk = self._rope(qk, *(local_rope if window else rope))
             k_cache, v_cache = cache.k[index], cache.v[index]
             k_cache.index_copy_(0, write_slots, qk[:new, H:])
             v_cache.index_copy_(0, write_slots, qkv[:new, (H + KVH) * D :].view(new, KVH, D))
