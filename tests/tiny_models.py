@@ -126,6 +126,8 @@ def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], qtype=No
     """A GGUF file as llama.cpp's converter writes it; 2-D weights quantized to ``qtype`` if given."""
     from gguf.quants import quantize
 
+    from tests.k_quants import quantize_k
+
     H, KVH = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = _gguf_writer(path, "llama", cfg, cfg["rope_theta"], cfg["bos_token_id"], cfg["eos_token_id"])
     if cfg.get("sliding_window"):
@@ -134,7 +136,8 @@ def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], qtype=No
     def put(name: str, value: np.ndarray) -> None:
         value = np.ascontiguousarray(value, dtype=np.float32)
         if qtype is not None and value.ndim == 2:
-            w.add_tensor(name, quantize(value, qtype), raw_dtype=qtype)
+            k_format = qtype.name.endswith("_K")  # gguf writes no K formats: tests/k_quants.py does
+            w.add_tensor(name, quantize_k(value, qtype.name) if k_format else quantize(value, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, value)
 

@@ -19,6 +19,8 @@ paths.  Where each path's time goes: ``docs/performance.md``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -100,8 +102,9 @@ class Linear:
 
 
 class QuantLinear:
-    """Weights in blocks of 32 input features, ``w = scale * q + min`` per block (:class:`.QuantBlocks`: a file's
-    own Q4_0, Q4_1, Q5_0 or Q8_0 blocks, or blocks quantized from float weights).  Products:
+    """Weights in blocks of 32 input features, ``w = scale * q + min`` per block or half block
+    (:class:`.QuantBlocks`: a file's own blocks of a served format, or blocks quantized from float weights).
+    Products:
 
     * on CPUs with AVX512-VNNI, :func:`.kernels.quant_linear`, llama.cpp's Q4_1 x Q8_1 / Q8_0 x Q8_0
       arithmetic: each row of ``x`` is quantized per block of 32 to int8, and the integer dot products run
@@ -127,11 +130,13 @@ class QuantLinear:
         blocks = weight if isinstance(weight, QuantBlocks) else QuantBlocks.quantize(weight, bits)
         dtype = dtype or (weight.dtype if isinstance(weight, torch.Tensor) else torch.bfloat16)
         self.out_features, self.in_features = n, _ = blocks.shape
-        q, scale, lo, bits = blocks.q, blocks.scale, blocks.min, blocks.bits
         self.native = weight.device.type == "cpu" and n % 16 == 0 and quant_kernel_available()
+        if not self.native and blocks.bits == 8 and bits == 4:  # PyTorch's int4 kernel takes 4-bit blocks only
+            blocks = QuantBlocks.quantize(blocks.dequantize(), 4)
+        q, scale, lo, bits = blocks.q, blocks.scale, blocks.min, blocks.bits
         self.min_rows = 1 if self.native else MIN_ROWS
         if self.native:
-            self.weight, self.scales, self.mins = kernels.quant_pack(q, scale, lo, bits)
+            self.weight, self.scales, self.mins = kernels.quant_pack(blocks)
             self.bias = None if bias is None else bias.float()
         elif bits == 4:  # the kernel computes (q - 8) * scale + zero, scale and zero in the activations' dtype
             self.scales_and_zeros = torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous().to(dtype)
@@ -219,16 +224,16 @@ class GateUp:
 def _stack_gate_up(
     gate: torch.Tensor | QuantBlocks, up: torch.Tensor | QuantBlocks, chunk: int | None
 ) -> torch.Tensor | QuantBlocks:
-    """One weight of the gate and up rows: interleaved in ``chunk``s for a gated kernel, else gate then up.  Blocks
-    of different bits are dequantized first (they are quantized again together)."""
-    if isinstance(gate, QuantBlocks) and isinstance(up, QuantBlocks) and gate.bits == up.bits:
+    """One weight of the gate and up rows: interleaved in ``chunk``s for a gated kernel, else gate then up; blocks
+    in one format (:meth:`.QuantBlocks.alike`)."""
+    if isinstance(gate, QuantBlocks) and isinstance(up, QuantBlocks):
         if chunk is None:
-            stacked = QuantBlocks.cat([gate, up])
-            assert stacked is not None
-            return stacked
-        parts = [kernels.interleave_gate_up(a, b, chunk) for a, b in ((gate.q, up.q), (gate.scale, up.scale))]
-        mins = kernels.interleave_gate_up(gate.min, up.min, chunk)
-        return QuantBlocks(parts[0], parts[1], mins, gate.bits, gate.zero if gate.zero == up.zero else None)
+            return QuantBlocks.cat([gate, up])
+        gate, up = QuantBlocks.alike([gate, up])
+        q, scale, low = (
+            kernels.interleave_gate_up(getattr(gate, part), getattr(up, part), chunk) for part in ("q", "scale", "min")
+        )
+        return dataclasses.replace(gate, q=q, scale=scale, min=low)
     gate, up = (x.dequantize() if isinstance(x, QuantBlocks) else x for x in (gate, up))
     return kernels.interleave_gate_up(gate, up, chunk) if chunk is not None else torch.cat([gate, up])
 

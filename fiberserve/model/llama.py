@@ -295,10 +295,10 @@ class _Layer:
 
 
 def _stack(parts: list[torch.Tensor | QuantBlocks]) -> torch.Tensor | QuantBlocks:
-    """The rows of ``parts`` one after another: blocks where all are blocks of the same bits, else floats."""
+    """The rows of ``parts`` one after another: blocks where all are blocks (in one format), else floats."""
     blocks = [p for p in parts if isinstance(p, QuantBlocks)]
-    if len(blocks) == len(parts) and (stacked := QuantBlocks.cat(blocks)) is not None:
-        return stacked
+    if len(blocks) == len(parts):
+        return QuantBlocks.cat(blocks)
     return torch.cat([p.dequantize() if isinstance(p, QuantBlocks) else p for p in parts])
 
 

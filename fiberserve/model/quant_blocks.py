@@ -1,20 +1,24 @@
-"""Matrices in llama.cpp's blocks of 32 inputs, the form the quantized products take: ``w = scale * q + min``.
+"""Matrices in llama.cpp's blocks of 32 inputs, the form the quantized products take: ``w = scale * q + min``,
+with a scale and a min per block or per half block (``group`` inputs).
 
-Two kinds of block, by the bits of ``q``:
+Kinds of block, by the bits of ``q``:
 
-* 4 bits (``q`` in 0..15, any ``min``): llama.cpp's Q4_1, and Q4_0 (``w = d * (q - 8)``, so ``min = -8 d``);
-* 8 bits (``q`` in 0..255 with ``min = -128 scale``): llama.cpp's Q8_0 (its signed q stored as q + 128),
-  Q5_0 (``w = d * (q - 16)`` with q in 0..31, stored as q + 112), and IQ4_NL (``w = d * table[q]``, its 4-bit
-  index looked up in llama.cpp's table of 16 int8 values, stored as table[q] + 128).
+* 4 bits (``q`` in 0..15, any ``min``): llama.cpp's Q4_1, Q4_0 (``w = d * (q - 8)``, so ``min = -8 d``) and
+  Q4_K (a super-block's float16 ``d`` and ``dmin`` times each block's 6-bit scale and min);
+* 8 bits, ``q`` a byte: llama.cpp's Q8_0 (its signed q stored as q + 128, ``zero = 128``), Q5_0 (``w = d * (q -
+  16)`` with q in 0..31, stored as q + 112), IQ4_NL (``w = d * table[q]``, its 4-bit index looked up in
+  llama.cpp's table of 16 int8 values, stored as table[q] + 128), Q5_1 and Q5_K (5-bit q with a min), and Q6_K
+  (``w = d * scale8 * (q - 32)`` per 16 inputs, q stored as q + 96).
 
-Scales and mins hold float16 values (as the files store them), so a file in one of these formats is served in its
-own blocks (:meth:`QuantBlocks.from_gguf`) and its weights are exactly what llama.cpp reads; any other matrix is
-quantized to Q4_1 or Q8_0 blocks from its values (:meth:`QuantBlocks.quantize`).
+Scales and mins hold the file's values exactly: float16 values, or float32 where the format multiplies a float16
+by a small integer (Q4_K, Q5_K, Q6_K).  A file in one of these formats is served in its own blocks
+(:meth:`QuantBlocks.from_gguf`) and its weights are exactly what llama.cpp reads; any other matrix is quantized to
+Q4_1 or Q8_0 blocks from its values (:meth:`QuantBlocks.quantize`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -23,7 +27,17 @@ import torch
 QUANT_GROUP = 32
 
 #: The GGUF block formats served in their own blocks, and the bits of their ``q`` here.
-NATIVE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q8_0": 8, "IQ4_NL": 8}
+NATIVE_BITS = {
+    "Q4_0": 4,
+    "Q4_1": 4,
+    "Q4_K": 4,
+    "Q5_0": 8,
+    "Q5_1": 8,
+    "Q5_K": 8,
+    "Q6_K": 8,
+    "Q8_0": 8,
+    "IQ4_NL": 8,
+}
 
 #: IQ4_NL's values for its 4-bit indices (llama.cpp's ``kvalues_iq4nl``).
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int16)
@@ -31,14 +45,17 @@ IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 3
 
 @dataclass
 class QuantBlocks:
-    """A matrix [N, K] as blocks of :data:`QUANT_GROUP` inputs; ``zero``, where the format has one, makes
-    :meth:`dequantize` compute ``scale * (q - zero)``, the file's own arithmetic, rather than ``scale * q + min``."""
+    """A matrix [N, K] as blocks of :data:`QUANT_GROUP` inputs with a scale and a min per ``group`` inputs;
+    ``zero``, where the format has one, makes :meth:`dequantize` compute ``scale * (q - zero)``, the file's own
+    arithmetic, rather than ``scale * q + min``."""
 
     q: torch.Tensor  #: uint8 [N, K]
-    scale: torch.Tensor  #: float32 [N, K / 32], float16 values
-    min: torch.Tensor  #: float32 [N, K / 32], float16 values (``-zero * scale`` where there is a zero)
+    scale: torch.Tensor  #: float32 [N, K / group]
+    min: torch.Tensor  #: float32 [N, K / group] (``-zero * scale`` where there is a zero)
     bits: int  #: 4 or 8
     zero: int | None = None
+    group: int = QUANT_GROUP  #: inputs per scale: 32, or 16 (Q6_K)
+    float32_scales: bool = False  #: whether scales and mins need float32 (else their values are float16)
 
     @property
     def shape(self) -> torch.Size:
@@ -72,41 +89,55 @@ class QuantBlocks:
     @classmethod
     def from_gguf(cls, raw: np.ndarray, type_name: str) -> QuantBlocks:
         """The blocks of a GGUF tensor of a :data:`NATIVE_BITS` format; ``raw`` uint8 [N, bytes per row]."""
+        import gguf
+
+        if type_name not in NATIVE_BITS:
+            raise ValueError(f"{type_name} is not served in its own blocks")
         n = raw.shape[0]
-        sizes = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "IQ4_NL": 18}
-        blocks = np.ascontiguousarray(raw).reshape(n, -1, sizes[type_name])
-        d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        _, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+        blocks = np.ascontiguousarray(raw).reshape(n, -1, block_bytes)
+        if type_name.endswith("_K"):
+            return _k_blocks(blocks, type_name)
+        d = _halves(blocks, 0)
         if type_name == "Q8_0":
             q = blocks[..., 2:].view(np.int8).astype(np.int16) + 128
             return cls._of(q, d, -128 * d, 8, 128)
         if type_name == "Q4_1":
-            m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-            return cls._of(_nibbles(blocks[..., 4:]), d, m, 4, None)
+            return cls._of(_nibbles(blocks[..., 4:]), d, _halves(blocks, 2), 4, None)
         if type_name == "Q4_0":
             return cls._of(_nibbles(blocks[..., 2:]), d, -8 * d, 4, 8)
         if type_name == "IQ4_NL":
             return cls._of(IQ4_NL_VALUES[_nibbles(blocks[..., 2:])] + 128, d, -128 * d, 8, 128)
-        if type_name == "Q5_0":
-            high = blocks[..., 2:6].copy().view(np.uint32)  # bit j: the fifth bit of element j
-            fifth = (high >> np.arange(QUANT_GROUP, dtype=np.uint32)) & 1
-            q = _nibbles(blocks[..., 6:]).astype(np.int16) | (fifth.astype(np.int16) << 4)
-            return cls._of(q + 112, d, -128 * d, 8, 128)  # d * (q - 16) == d * ((q + 112) - 128)
-        raise ValueError(f"{type_name} is not served in its own blocks")
+        if type_name == "Q5_1":
+            return cls._of(_fifth_bits(blocks[..., 4:8], _nibbles(blocks[..., 8:])), d, _halves(blocks, 2), 8, None)
+        q = _fifth_bits(blocks[..., 2:6], _nibbles(blocks[..., 6:]))  # Q5_0
+        return cls._of(q + 112, d, -128 * d, 8, 128)  # d * (q - 16) == d * ((q + 112) - 128)
 
     @classmethod
-    def _of(cls, q: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int, zero: int | None) -> QuantBlocks:
+    def _of(
+        cls,
+        q: np.ndarray,
+        d: np.ndarray,
+        m: np.ndarray,
+        bits: int,
+        zero: int | None,
+        group: int = QUANT_GROUP,
+        float32_scales: bool = False,
+    ) -> QuantBlocks:
         n = q.shape[0]
         return cls(
             torch.from_numpy(q.astype(np.uint8).reshape(n, -1)),
-            torch.from_numpy(np.ascontiguousarray(d)),
-            torch.from_numpy(np.ascontiguousarray(m.astype(np.float32))),
+            torch.from_numpy(np.ascontiguousarray(d.reshape(n, -1).astype(np.float32))),
+            torch.from_numpy(np.ascontiguousarray(m.reshape(n, -1).astype(np.float32))),
             bits,
             zero,
+            group,
+            float32_scales,
         )
 
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix, computed as llama.cpp computes it for the format."""
-        q = self.q.float().view(self.q.shape[0], -1, QUANT_GROUP)
+        q = self.q.float().view(self.q.shape[0], -1, self.group)
         if self.zero is not None:
             w = self.scale[..., None] * (q - self.zero)
         else:
@@ -116,24 +147,86 @@ class QuantBlocks:
     def map_rows(self, fn) -> QuantBlocks:
         """The blocks with ``fn`` applied to the rows of ``q``, ``scale`` and ``min`` alike (a permutation, a
         slice): a row's blocks stay whole."""
-        return QuantBlocks(fn(self.q), fn(self.scale), fn(self.min), self.bits, self.zero)
+        return replace(self, q=fn(self.q), scale=fn(self.scale), min=fn(self.min))
+
+    def same_format(self, other: QuantBlocks) -> bool:
+        return (self.bits, self.zero, self.group, self.float32_scales) == (
+            other.bits,
+            other.zero,
+            other.group,
+            other.float32_scales,
+        )
 
     @staticmethod
-    def cat(parts: list[QuantBlocks]) -> QuantBlocks | None:
-        """The rows of ``parts`` one after another; None where their bits differ."""
+    def alike(parts: list[QuantBlocks]) -> list[QuantBlocks]:
+        """``parts`` in one format, each holding the same weights: as they are where they share one; 4-bit blocks
+        with their scales and mins in float32 where any needs it; else as bytes with float32 scales and mins per
+        the smallest group (any block converts to that exactly)."""
         first = parts[0]
-        if any(p.bits != first.bits for p in parts):
-            return None
-        zero = first.zero if all(p.zero == first.zero for p in parts) else None
-        return QuantBlocks(
-            torch.cat([p.q for p in parts]),
-            torch.cat([p.scale for p in parts]),
-            torch.cat([p.min for p in parts]),
-            first.bits,
-            zero,
+        if all(p.same_format(first) for p in parts):
+            return parts
+        if all(p.bits == 4 for p in parts):
+            wide = any(p.float32_scales for p in parts)
+            return [replace(p, zero=None, float32_scales=wide) for p in parts]
+        group = min(p.group for p in parts)
+        return [p._as_bytes(group) for p in parts]
+
+    def _as_bytes(self, group: int) -> QuantBlocks:
+        repeat = self.group // group
+        scale, low = self.scale.repeat_interleave(repeat, -1), self.min.repeat_interleave(repeat, -1)
+        mins = low if self.zero is None else -self.zero * scale
+        return QuantBlocks(self.q, scale, mins, 8, None, group, float32_scales=True)
+
+    @staticmethod
+    def cat(parts: list[QuantBlocks]) -> QuantBlocks:
+        """The rows of ``parts`` one after another, in one format (see :meth:`alike`)."""
+        parts = QuantBlocks.alike(parts)
+        return replace(
+            parts[0],
+            q=torch.cat([p.q for p in parts]),
+            scale=torch.cat([p.scale for p in parts]),
+            min=torch.cat([p.min for p in parts]),
         )
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
     """llama.cpp's 16 bytes of a 4-bit block as its 32 values: low nibbles are elements 0..15, high 16..31."""
     return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+
+
+def _halves(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """The float16 at byte ``offset`` of every block, as float32 [N, blocks]."""
+    return blocks[..., offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _fifth_bits(high: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """Q5_0's and Q5_1's 5-bit q: bit j of the block's 32-bit ``high`` word is element j's fifth bit."""
+    bits = high.copy().view(np.uint32)
+    fifth = (bits >> np.arange(QUANT_GROUP, dtype=np.uint32)) & 1
+    return low.astype(np.int16) | (fifth.astype(np.int16) << 4)
+
+
+def _k_blocks(blocks: np.ndarray, type_name: str) -> QuantBlocks:
+    """Q4_K, Q5_K and Q6_K super-blocks of 256 inputs [N, super-blocks, bytes] as :class:`QuantBlocks`."""
+    n, supers = blocks.shape[:2]
+    if type_name == "Q6_K":  # ql[128], qh[64], int8 scales[16], float16 d
+        low = blocks[..., :128].reshape(n, supers, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8)[:, None]
+        low = (low & 0x0F).reshape(n, supers, 8, 32)  # each 128 inputs: ql[0:64] low nibbles, then high
+        high = blocks[..., 128:192].reshape(n, supers, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+        high = (high & 0x03).reshape(n, supers, 8, 32)
+        q = (low | (high << 4)).astype(np.int16) + 96  # d * s * (q - 32) == d * s * ((q + 96) - 128)
+        d = _halves(blocks, 208)[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)
+        return QuantBlocks._of(q, d, -128 * d, 8, 128, group=16, float32_scales=True)
+    d, dmin = _halves(blocks, 0)[..., None], _halves(blocks, 2)[..., None]
+    packed = blocks[..., 4:16].reshape(n, supers, 3, 4)  # the 6-bit scales and mins of 8 blocks
+    first, second, rest = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+    scales = np.concatenate([first & 0x3F, (rest & 0x0F) | ((first >> 2) & 0x30)], -1)
+    mins = np.concatenate([second & 0x3F, (rest >> 4) | ((second >> 2) & 0x30)], -1)
+    quants = blocks[..., -128:].reshape(n, supers, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8)[:, None]
+    q = (quants & 0x0F).reshape(n, supers, 8, 32).astype(np.int16)  # each 32 bytes: two blocks' nibbles
+    if type_name == "Q5_K":  # qh[32]: bit j of byte l is the fifth bit of element l of block j
+        high = blocks[..., 16:48].reshape(n, supers, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
+        q |= (high & 1).astype(np.int16) << 4
+    bits = 4 if type_name == "Q4_K" else 8
+    d, m = d * scales.astype(np.float32), -(dmin * mins.astype(np.float32))
+    return QuantBlocks._of(q, d, m, bits, None, float32_scales=True)

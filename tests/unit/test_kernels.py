@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from fiberserve.model import kernels
+from fiberserve.model.quant_blocks import QuantBlocks
 
 #: The instruction sets the kernels were built for and this CPU runs (``FIBERSERVE_KERNEL_ARCH`` may narrow them).
 ISA = kernels.target_isa() & set(Path("/proc/cpuinfo").read_text().split())
@@ -264,26 +265,48 @@ def quantized_rows(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inverse) * step).double().view_as(x)
 
 
+#: The kernel's weight formats (see kernels.quant_pack): bits, zero, inputs per scale, float32 scales.
+QUANT_FORMATS = {
+    "4-bit": (4, None, 32, False),  # Q4_0, Q4_1
+    "4-bit, float32 scales": (4, None, 32, True),  # Q4_K
+    "signed bytes": (8, 128, 32, False),  # Q8_0, Q5_0, IQ4_NL
+    "bytes with mins": (8, None, 32, True),  # Q5_1, Q5_K
+    "bytes with mins per 16": (8, None, 16, True),  # Q6_K
+}
+
+
+def random_blocks(n: int, k: int, kind: str) -> QuantBlocks:
+    """Blocks of a kernel format with random q, scales and mins (float16 values where the format keeps them so)."""
+    bits, zero, group, wide = QUANT_FORMATS[kind]
+    q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)
+    scales = torch.rand(n, k // group) * 0.01
+    mins = -torch.rand(n, k // group) * 0.05
+    if not wide:
+        scales, mins = scales.half().float(), mins.half().float()
+    return QuantBlocks(q, scales, -zero * scales if zero else mins, bits, zero, group, wide)
+
+
+def exact_weights(blocks: QuantBlocks) -> torch.Tensor:
+    """``scale * q + min`` in float64."""
+    n, k = blocks.shape
+    grouped = blocks.q.double().view(n, -1, blocks.group)
+    return (grouped * blocks.scale.double()[..., None] + blocks.min.double()[..., None]).view(n, k)
+
+
 @pytest.mark.skipif(not kernels.quant_gemm_available(), reason="this CPU has neither AVX512-VNNI nor AVX2")
-@pytest.mark.parametrize("bits", [4, 8])
-def test_quant_linear_is_exact_block_arithmetic_and_rows_are_exact_at_any_count(bits):
+@pytest.mark.parametrize("kind", QUANT_FORMATS)
+def test_quant_linear_is_exact_block_arithmetic_and_rows_are_exact_at_any_count(kind):
     """The result is the float64 product of the dequantized weights and the int8-quantized rows, up to
     float32 rounding; a row gets the same bits in one row tile, in several, and in the last, partial one."""
     torch.manual_seed(5)
     n, k = 48, 1536
-    q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)
-    scales = (torch.rand(n, k // 32) * 0.01).half().float()  # stored in float16
-    mins = (-torch.rand(n, k // 32) * 0.05).half().float() if bits == 4 else -128 * scales  # Q8_0: signed q + 128
-    weight = (q.double().view(n, -1, 32) * scales.double()[..., None] + mins.double()[..., None]).view(n, k)
+    blocks = random_blocks(n, k, kind)
     bias = torch.randn(n)
     x = torch.randn(13, k).bfloat16()
     x[3, 64:96] = 0  # an all-zero block quantizes to zeros
-    packed = kernels.quant_pack(q, scales, mins, bits)
-    if bits == 8:
-        with pytest.raises(ValueError, match="Q8_0"):
-            kernels.quant_pack(q, scales, mins / 2, bits)
+    packed = kernels.quant_pack(blocks)
     wide = kernels.quant_linear(x, *packed, bias, torch.float32)
-    expected = quantized_rows(x) @ weight.t() + bias.double()
+    expected = quantized_rows(x) @ exact_weights(blocks).t() + bias.double()
     torch.testing.assert_close(wide.double(), expected, atol=2e-5 * expected.abs().max().item(), rtol=0)
     for rows in range(1, 13):
         assert torch.equal(kernels.quant_linear(x[:rows], *packed, bias, torch.float32), wide[:rows])
@@ -293,6 +316,16 @@ def test_quant_linear_is_exact_block_arithmetic_and_rows_are_exact_at_any_count(
     assert torch.equal(
         kernels.quant_linear(x.float(), *packed, bias, torch.float32), wide
     )  # bf16 rows are exact in float32
+
+
+@pytest.mark.skipif(not kernels.quant_gemm_available(), reason="this CPU has neither AVX512-VNNI nor AVX2")
+def test_quant_linear_refuses_scales_that_fit_no_format():
+    weight, scales, mins = kernels.quant_pack(random_blocks(32, 64, "bytes with mins"))
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="float32 scales and mins"):
+        kernels.quant_linear(x, weight, scales.half(), mins.half())
+    with pytest.raises(RuntimeError, match="mins must match"):
+        kernels.quant_linear(x, weight, scales, mins[:1])
 
 
 def gated_and_plain(kernel: str, gate: torch.Tensor, up: torch.Tensor, bias: torch.Tensor):
@@ -381,21 +414,19 @@ def test_refine_top_logits_rescores_the_top_k_as_float64_dot_products(weight_dty
 
 
 @pytest.mark.skipif(not kernels.quant_gemm_available(), reason="this CPU has neither AVX512-VNNI nor AVX2")
-@pytest.mark.parametrize("bits", [4, 8])
-def test_quant_linear_top_k_is_top_k_rows_of_the_product_bit_for_bit(bits):
+@pytest.mark.parametrize("kind", QUANT_FORMATS)
+def test_quant_linear_top_k_is_top_k_rows_of_the_product_bit_for_bit(kind):
     """The top k kept as the tiles go equal top_k_rows of the written product: values, indices and the order of
     ties (outputs 5 and 300 have the same weights, so every row ties them, 5 first, across the threads' ranges)."""
     torch.manual_seed(11)
     n, k_in = 400, 576
-    q = torch.randint(0, 2**bits, (n, k_in), dtype=torch.uint8)
-    scales = (torch.rand(n, k_in // 32) * 0.01).half().float()
-    mins = (-torch.rand(n, k_in // 32) * 0.05).half().float() if bits == 4 else -128 * scales
-    for tied in (scales, mins, q):
+    blocks = random_blocks(n, k_in, kind)
+    for tied in (blocks.scale, blocks.min, blocks.q):
         tied[300] = tied[5]
     x = torch.randn(13, k_in).bfloat16()
     x[4] = x[4].abs()  # rows where the tied outputs rank high are likelier with the weights below
-    q[5] = q[300] = 2**bits - 1
-    packed = kernels.quant_pack(q, scales, mins, bits)
+    blocks.q[5] = blocks.q[300] = 2**blocks.bits - 1
+    packed = kernels.quant_pack(blocks)
     for rows in (1, 6, 13):
         product = kernels.quant_linear(x[:rows], *packed, None, torch.float32)
         for k in (1, 17, 64):

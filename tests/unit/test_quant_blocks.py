@@ -12,21 +12,25 @@ from gguf.quants import dequantize, quantize
 from fiberserve.model import LlamaModel, kernels, load_checkpoint
 from fiberserve.model.linear import QuantLinear, quant_kernel_available
 from fiberserve.model.quant_blocks import NATIVE_BITS, QUANT_GROUP, QuantBlocks
+from tests.k_quants import quantize_k
 from tests.tiny_models import TINY, random_weights, write_gguf
 
 FORMATS = sorted(NATIVE_BITS)
 
 
-def file_tensor(kind: str, rows: int = 48, blocks: int = 4, seed: int = 0) -> np.ndarray:
-    """A matrix quantized by gguf into ``kind``'s bytes, [rows, bytes per row] (IQ4_NL, which gguf cannot
-    quantize: random indices under random scales)."""
+def file_tensor(kind: str, rows: int = 48, inputs: int = 256, seed: int = 0) -> np.ndarray:
+    """A matrix quantized into ``kind``'s bytes, [rows, bytes per row]: by gguf, or for the K formats (which gguf
+    cannot write) by tests/k_quants.py; IQ4_NL, which neither writes, as random indices under random scales."""
     rng = np.random.default_rng(seed)
     if kind == "IQ4_NL":
-        raw = rng.integers(0, 256, (rows, blocks, 18), dtype=np.uint8)
-        raw[..., :2] = (rng.random((rows, blocks)) * 0.01).astype(np.float16).view(np.uint8).reshape(rows, blocks, 2)
+        raw = rng.integers(0, 256, (rows, inputs // 32, 18), dtype=np.uint8)
+        scales = (rng.random((rows, inputs // 32)) * 0.01).astype(np.float16)
+        raw[..., :2] = scales.view(np.uint8).reshape(rows, -1, 2)
         return raw.reshape(rows, -1)
-    weight = rng.normal(0, 0.1, (rows, blocks * QUANT_GROUP)).astype(np.float32)
+    weight = rng.normal(0, 0.1, (rows, inputs)).astype(np.float32)
     weight[:, :5] *= 20  # a few large values: blocks whose scale and min differ
+    if kind.endswith("_K"):
+        return quantize_k(weight, kind)
     return quantize(weight, gguf.GGMLQuantizationType[kind])
 
 
@@ -36,10 +40,36 @@ def test_blocks_dequantize_bit_exactly_as_gguf_does(kind):
     blocks = QuantBlocks.from_gguf(raw, kind)
     assert blocks.bits == NATIVE_BITS[kind] and int(blocks.q.max()) < 2**blocks.bits
     assert torch.equal(blocks.dequantize(), torch.from_numpy(dequantize(raw, gguf.GGMLQuantizationType[kind])))
-    # w == scale * q + min too, with min exactly -zero * scale where the format has a zero
-    assert torch.equal(blocks.scale.half().float(), blocks.scale) and torch.equal(blocks.min.half().float(), blocks.min)
-    wide = blocks.scale[..., None] * blocks.q.float().view(48, -1, QUANT_GROUP) + blocks.min[..., None]
+    # w == scale * q + min too, with min exactly -zero * scale where the format has a zero; scales kept in float16
+    # where the format's are float16 values
+    if not blocks.float32_scales:
+        assert torch.equal(blocks.scale.half().float(), blocks.scale)
+        assert torch.equal(blocks.min.half().float(), blocks.min)
+    grouped = blocks.q.float().view(48, -1, blocks.group)
+    wide = blocks.scale[..., None] * grouped + blocks.min[..., None]
     torch.testing.assert_close(wide.view(48, -1), blocks.dequantize(), atol=1e-6, rtol=1e-6)
+
+
+def test_k_formats_keep_their_scales_exactly_in_float32():
+    """Q4_K's d x 6-bit scale is not a float16 value in general; the blocks keep the product exactly."""
+    blocks = QuantBlocks.from_gguf(file_tensor("Q4_K"), "Q4_K")
+    assert blocks.float32_scales and not torch.equal(blocks.scale.half().float(), blocks.scale)
+    assert QuantBlocks.from_gguf(file_tensor("Q6_K"), "Q6_K").group == 16
+
+
+def test_blocks_of_different_formats_stack_into_one_holding_each_ones_weights():
+    """Q4_K_M files keep some v and down projections in Q6_K: stacked with Q4_K blocks (qkv), every part's weights
+    are unchanged; two 4-bit formats stay 4-bit."""
+    kinds = ["Q4_K", "Q6_K", "Q8_0"]
+    parts = [QuantBlocks.from_gguf(file_tensor(kind, seed=i), kind) for i, kind in enumerate(kinds)]
+    stacked = QuantBlocks.cat(parts)
+    assert (stacked.bits, stacked.group) == (8, 16)
+    exact = stacked.scale.double().repeat_interleave(
+        16, -1
+    ) * stacked.q.double() + stacked.min.double().repeat_interleave(16, -1)
+    assert torch.equal(exact.float(), torch.cat([p.dequantize() for p in parts]))  # each rounded once
+    four = QuantBlocks.cat([parts[0], QuantBlocks.from_gguf(file_tensor("Q4_0"), "Q4_0")])
+    assert four.bits == 4 and four.float32_scales
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
@@ -66,11 +96,11 @@ def test_the_product_is_the_blocks_times_int8_activations(kind):
     assert torch.equal(layer(x[:1]), layer(x)[:1])
 
 
-@pytest.mark.parametrize("kind", [k for k in FORMATS if k != "IQ4_NL"])  # gguf writes no IQ4_NL files
+@pytest.mark.parametrize("kind", [k for k in FORMATS if k != "IQ4_NL"])  # nothing here writes IQ4_NL files
 def test_a_file_in_a_served_format_runs_in_its_own_blocks(tmp_path, kind):
     if NATIVE_BITS[kind] == 8 and not quant_kernel_available():
         pytest.skip("8-bit blocks need the extension's kernel (AVX512-VNNI or AVX2)")
-    cfg = {**TINY, "hidden_size": 64, "intermediate_size": 256}
+    cfg = {**TINY, "hidden_size": 256, "intermediate_size": 512}  # K formats quantize rows of 256
     path = write_gguf(tmp_path / "q.gguf", cfg, random_weights(cfg, seed=5), qtype=gguf.GGMLQuantizationType[kind])
     checkpoint = load_checkpoint(path)
     model = LlamaModel(checkpoint, torch.bfloat16, quantization="int4")
@@ -78,7 +108,7 @@ def test_a_file_in_a_served_format_runs_in_its_own_blocks(tmp_path, kind):
     assert own is not None
     down = model.layers[1].down
     if down.native:
-        packed = kernels.quant_pack(own.q, own.scale, own.min, own.bits)
+        packed = kernels.quant_pack(own)
         assert torch.equal(down.weight, packed[0]) and torch.equal(down.scales, packed[1])
     # the whole model: close to the file's weights computed in float32
     tokens = [5, 17, 200, 3, 99, 42, 7]

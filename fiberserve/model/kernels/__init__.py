@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from fiberserve.model.config import ModelConfig
+from fiberserve.model.quant_blocks import QuantBlocks
 
 _HERE = Path(__file__).parent
 _SOURCES = [
@@ -225,30 +226,31 @@ def quant_gemm_available() -> bool:
     return bool(torch.ops.fiberserve.quant_gemm_available())
 
 
-def quant_pack(
-    q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Weights in blocks of 32 inputs for :func:`quant_linear`: ``q`` uint8 [N, K] (N % 16 == 0, K % 32 == 0),
-    below ``2 ** bits`` (4 or 8), and the blocks' ``scales`` and ``mins`` [N, K / 32] (``w = scale * q + min``,
-    stored in float16) -> (weights, scales, mins) in the kernel's layout (see ``linear_quant.cpp``).
+def quant_pack(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``blocks`` (N % 16 == 0) -> (weights, scales, mins) in :func:`quant_linear`'s layout and one of its formats
+    (see ``linear_quant.cpp``):
 
-    8 bits are Q8_0 blocks, the signed q stored as q + 128: ``mins`` must be ``-128 * scales``, and the kernel
-    computes the offset in integers, so the mins returned are empty."""
+    * 4 bits: q two per byte, scales and mins float16 where their values are (Q4_0, Q4_1), else float32 (Q4_K);
+    * 8 bits with a zero of 128 and float16 scales per block (Q8_0, Q5_0, IQ4_NL): signed bytes, whose offset the
+      kernel computes in integers, so the mins returned are empty;
+    * any other 8 bits (Q5_1, Q5_K, Q6_K, mixed formats): bytes with float32 scales and mins (``-zero * scale``
+      where the blocks have a zero), one per block or per half block."""
+    q, group = blocks.q, blocks.group
     n, k = q.shape
-    if bits == 8 and not torch.equal(mins.half(), (-128 * scales.half().float()).half()):
-        raise ValueError("8-bit blocks are Q8_0: mins must be -128 * scales")
-    if bits == 4:
+    if blocks.bits == 4:
         q6 = q.view(n // 16, 16, k // 32, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # [N/16, K/32, half, step, 16, 4]
         packed = (q6[:, :, 0] | (q6[:, :, 1] << 4)).contiguous()
-    elif bits == 8:
-        packed = q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()  # [N/16, K/4, 16, 4]
     else:
-        raise ValueError(f"bits must be 4 or 8, got {bits}")
+        packed = q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()  # [N/16, K/4, 16, 4]
+    signed = blocks.bits == 8 and blocks.zero == 128 and group == 32 and not blocks.float32_scales
+    half = signed or (blocks.bits == 4 and not blocks.float32_scales)
+    mins = blocks.min if blocks.zero is None else -blocks.zero * blocks.scale
 
-    def per_block(t: torch.Tensor) -> torch.Tensor:
-        return t.half().view(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()
+    def per_group(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.half if half else torch.float32).view(n // 16, 16, k // group).permute(0, 2, 1).contiguous()
 
-    return packed, per_block(scales), per_block(mins) if bits == 4 else torch.empty(0, dtype=torch.half)
+    empty = torch.empty(0, dtype=torch.half)
+    return packed, per_group(blocks.scale), empty if signed else per_group(mins)
 
 
 def quant_linear(

@@ -1,22 +1,25 @@
-// Block-quantized weights x Q8 activations for linear layers: llama.cpp's arithmetic for Q4_1 and Q8_0 weights.
+// Block-quantized weights x Q8 activations for linear layers: llama.cpp's arithmetic for its block formats.
 // out[M, N] = x[M, K] . W[N, K]^T (+ bias), with W in blocks of 32 inputs and each row of x quantized per block of
-// 32 to int8 (x ~ dx * xq, dx = max|x| / 127).  Two weight formats, llama.cpp's:
-//   4 bits (Q4_1): w = d * q + m, q in 0..15; a block's dot product is  d * dx * sum(q * xq) + m * sx,
+// 32 to int8 (x ~ dx * xq, dx = max|x| / 127).  A block's weights are w = d * q + m, with a scale d and a min m per
+// scale group (the block, or each half of it); the formats (`Format` below) differ in how q is stored:
+//   4 bits (Q4_0, Q4_1, Q4_K): q in 0..15, two per byte; a group's dot product is  d * dx * sum(q * xq) + m * sx,
 //                  sx = dx * sum(xq);
-//   8 bits (Q8_0): w = d * (q - 128), the signed q stored as q + 128; a block's dot product is
-//                  d * dx * (sum(q * xq) - 128 * sum(xq)),
+//   8 bits, signed (Q8_0, Q5_0, IQ4_NL): w = d * (q - 128), q stored as a byte; a block's dot product is
+//                  d * dx * (sum(q * xq) - 128 * sum(xq)), no min;
+//   8 bits with mins (Q5_1, Q5_K, Q6_K and blocks of mixed formats): q a byte, the 4-bit arithmetic,
 // i.e. exactly the dot product of the dequantized weights and the quantized activations.  The sums are integer
 // arithmetic: AVX512-VNNI vpdpbusd multiplies 4 unsigned q by 4 signed xq per lane, 64 products an instruction
-// (twice vdpbf16ps's 32).  The block's scaling takes some of vpdpbusd's issue slots (the convert runs on other
-// pipes): for Q4_1 a multiply and two multiply-adds per 16 outputs, 3 per 8 vpdpbusd, so 8/11 = 72% of its rate is
-// this arithmetic's ceiling (`fiberserve bench peak`, "int8 in Q4_1 blocks"); the 6 x 2 tile runs at it with its
-// data in L1.  For Q8_0 the integer sums start at -128 * sum(xq) (a broadcast, free) instead of 0, which leaves a
-// multiply and one multiply-add: 8/10.
+// (twice vdpbf16ps's 32).  The scaling takes some of vpdpbusd's issue slots (the convert runs on other pipes): for
+// 4 bits a multiply and two multiply-adds per 16 outputs, 3 per 8 vpdpbusd, so 8/11 = 72% of its rate is this
+// arithmetic's ceiling (`fiberserve bench peak`, "int8 in Q4_1 blocks"); the 6 x 2 tile runs at it with its data
+// in L1.  For signed bytes the integer sums start at -128 * sum(xq) (a broadcast, free) instead of 0, which leaves
+// a multiply and one multiply-add: 8/10.
 //
 // Layout, per 16 output features: 8 bits as [N / 16][K / 4][16][4] bytes (one 64-byte load is a 4-input step of
 // 16 outputs); 4 bits as [N / 16][K / 32][4][16][4] bytes, the low nibble for inputs 4j..4j+3 of a block and the
-// high nibble for inputs 16+4j..16+4j+3 (one load holds two steps).  d and m: float16 [N / 16][K / 32][16], as
-// llama.cpp stores them (a quarter of the bytes of 4-bit weights, where float32 would be half).
+// high nibble for inputs 16+4j..16+4j+3 (one load holds two steps).  d and m: [N / 16][K / group][16], in float16
+// where the format's values are float16 (a quarter of the bytes of 4-bit weights, where float32 would be half),
+// else float32 (Q4_K's and Q6_K's d is a float16 times a small integer scale, exact in float32 only).
 // Every row tile unpacks the nibbles in registers (a mask, a shift and a mask per load: integer operations that
 // run beside vpdpbusd at no cost), rather than once per column group into a byte buffer: that would add stores
 // and read twice the bytes back.
@@ -25,7 +28,7 @@
 // prefetches its next column group's weights, scales and mins a few lines per row tile, and the group's first
 // tile does not wait for them.
 //
-// Batch invariance: a row is quantized on its own, and each output is accumulated block by block in order in its
+// Batch invariance: a row is quantized on its own, and each output is accumulated group by group in order in its
 // own lane, so a row gets the same bits alone, in any batch, at any row count.
 //
 // Compiled where the compiler targets AVX512-VNNI, or AVX2 (tiles/linear_quant_avx2.h); quant_gemm_available() says whether it was.
@@ -61,14 +64,71 @@ constexpr int kSteps = 8;    // 4-input steps per quantization block
 constexpr int64_t kCols = 2;  // column blocks per tile: 32 output features
 constexpr int kRows = 6;     // rows per tile: 6 x 2 int32 sums + 6 x 2 float sums
 
-// The rows of x, quantized: xq int8 [M, K], dx and sx float [M, K / 32], and -128 * sum(xq) int32 [M, K / 32].
+// The rows of x, quantized: xq int8 [M, K]; per block of 32, dx, sx = dx * sum(xq) and -128 * sum(xq); the same
+// two sums per half block, for formats whose scales cover 16 inputs.
 struct QuantizedRows {
   const int8_t* q;
   const float* d;
   const float* s;
-  const int32_t* offset;  // where Q8_0's integer sums start
+  const int32_t* offset;  // where a signed format's integer sums start
+  const float* half_s;
+  const int32_t* half_offset;
   int64_t K;
   int64_t blocks;
+
+  // sx of scale group g (of kScaleGroup inputs) of row r.
+  template <int kScaleGroup>
+  float sum(int64_t r, int64_t g) const {
+    return kScaleGroup == kGroup ? s[r * blocks + g] : half_s[r * 2 * blocks + g];
+  }
+
+  // -128 * sum(xq) of scale group g of row r.
+  template <int kScaleGroup>
+  int32_t offset_of(int64_t r, int64_t g) const {
+    return kScaleGroup == kGroup ? offset[r * blocks + g] : half_offset[r * 2 * blocks + g];
+  }
+};
+
+// A weight format of the kernel: the bits of q (4: two per byte; 8: a byte), whether groups have a min (else q is
+// signed, stored as q + 128), the type of the scales and mins, and the inputs each scale covers.
+template <int kBits_, bool kMins_, typename scale_t_, int kScaleGroup_>
+struct Format {
+  static constexpr int kBits = kBits_;
+  static constexpr bool kMins = kMins_;
+  static constexpr int kScaleGroup = kScaleGroup_;
+  static constexpr int kScalesPerBlock = kGroup / kScaleGroup_;
+  using scale_t = scale_t_;
+  static_assert(kMins || (kBits == 8 && kScaleGroup == kGroup), "signed q: 8 bits, a scale per block");
+  static_assert(kBits == 8 || kScaleGroup == kGroup, "4 bits: a scale per block");
+};
+
+using Q4 = Format<4, true, c10::Half, 32>;         // Q4_0, Q4_1
+using Q4Wide = Format<4, true, float, 32>;         // Q4_K
+using Q8 = Format<8, false, c10::Half, 32>;        // Q8_0, Q5_0, IQ4_NL
+using Q8Mins = Format<8, true, float, 32>;         // Q5_1, Q5_K
+using Q8HalfMins = Format<8, true, float, 16>;     // Q6_K, and blocks of mixed formats
+
+enum class FormatId { kQ4, kQ4Wide, kQ8, kQ8Mins, kQ8HalfMins };
+
+// fn(F{}) for the format `id` names.
+template <typename Fn>
+void with_format(FormatId id, const Fn& fn) {
+  switch (id) {
+    case FormatId::kQ4: return fn(Q4{});
+    case FormatId::kQ4Wide: return fn(Q4Wide{});
+    case FormatId::kQ8: return fn(Q8{});
+    case FormatId::kQ8Mins: return fn(Q8Mins{});
+    case FormatId::kQ8HalfMins: return fn(Q8HalfMins{});
+  }
+}
+
+// A tile's column blocks: the first one's weights, scales and mins (null without), and the strides between blocks.
+template <typename F>
+struct ColumnBlocks {
+  const uint8_t* w;
+  const typename F::scale_t* d;
+  const typename F::scale_t* m;
+  int64_t w_stride, dm_stride;
 };
 
 }  // namespace
@@ -92,9 +152,11 @@ inline __m512 load_f32(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
-inline __m512 load_half(const c10::Half* p) {
+inline __m512 load_scales(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+
+inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
 
 inline void store(c10::BFloat16* out, __m512 y) {  // round to nearest even, like PyTorch
 #if defined(__AVX512BF16__)
@@ -109,7 +171,8 @@ inline void store(c10::BFloat16* out, __m512 y) {  // round to nearest even, lik
 inline void store(float* out, __m512 y) { _mm512_storeu_ps(out, y); }
 
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx, int32_t* offset) {
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx, int32_t* offset,
+                   float* half_sx, int32_t* half_offset) {
   const int64_t blocks = K / kGroup;
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
@@ -126,9 +189,14 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, floa
         _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm512_cvtsepi32_epi8(q0));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(o + kBlock), _mm512_cvtsepi32_epi8(q1));
         dx[r * blocks + b] = d;
-        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        const int32_t first = _mm512_reduce_add_epi32(q0), second = _mm512_reduce_add_epi32(q1);
+        const int32_t sum = first + second;
         sx[r * blocks + b] = d * static_cast<float>(sum);
         offset[r * blocks + b] = -128 * sum;
+        half_sx[(r * blocks + b) * 2] = d * static_cast<float>(first);
+        half_sx[(r * blocks + b) * 2 + 1] = d * static_cast<float>(second);
+        half_offset[(r * blocks + b) * 2] = -128 * first;
+        half_offset[(r * blocks + b) * 2 + 1] = -128 * second;
       }
     }
   });
@@ -153,51 +221,65 @@ inline __m512 stored(__m512 y, const c10::BFloat16*) {
 
 inline __m512 stored(__m512 y, const float*) { return y; }
 
-// MR rows x NR column blocks.  kNibbles: w holds 4-bit weights (unpacked here); otherwise one byte per weight.
+// The float sums of scale group g (of block b) from its integer sums: acc += m * sx + sums * (d * dx).
+template <int MR, int NR, typename F>
+inline void scale_group(const QuantizedRows& x, int64_t row0, int64_t b, int64_t g, const __m512i (&sums)[MR][NR],
+                        const ColumnBlocks<F>& cols, __m512 (&acc)[MR][NR]) {
+  __m512 dv[NR], mv[NR];
+  for (int c = 0; c < NR; ++c) {
+    dv[c] = load_scales(cols.d + c * cols.dm_stride + g * kBlock);
+    if constexpr (F::kMins) mv[c] = load_scales(cols.m + c * cols.dm_stride + g * kBlock);
+  }
+  for (int r = 0; r < MR; ++r) {
+    const __m512 dx = _mm512_set1_ps(x.d[(row0 + r) * x.blocks + b]);
+    for (int c = 0; c < NR; ++c) {
+      if constexpr (F::kMins)
+        acc[r][c] = _mm512_fmadd_ps(mv[c], _mm512_set1_ps(x.sum<F::kScaleGroup>(row0 + r, g)), acc[r][c]);
+      acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][c]), _mm512_mul_ps(dv[c], dx), acc[r][c]);
+    }
+  }
+}
+
+// MR rows x NR column blocks of weights in format F.
 // kGated (NR = 2): block 0 holds gate outputs and block 1 the matching up outputs (see GateUp in linear.py); the
 // tile writes silu(gate) * up, one block, each input rounded to out_t first as a separate product and silu_mul
 // would see it.  Kept out of line: inlined into its column loop, the compiler allocates the 24 accumulators worse.
-template <int MR, int NR, bool kNibbles, bool kGated, typename out_t>
-[[gnu::noinline]] void tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, int64_t w_stride, const c10::Half* d,
-                 const c10::Half* m, int64_t dm_stride, const float* bias, out_t* out, int64_t ldo) {
+template <int MR, int NR, typename F, bool kGated, typename out_t>
+[[gnu::noinline]] void tile(const QuantizedRows& x, int64_t row0, const ColumnBlocks<F>& cols, const float* bias,
+                            out_t* out, int64_t ldo) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.blocks; ++b) {
     __m512i sums[MR][NR];
-    for (int r = 0; r < MR; ++r) {
-      const __m512i start = kNibbles ? _mm512_setzero_si512() : _mm512_set1_epi32(x.offset[(row0 + r) * x.blocks + b]);
-      for (int c = 0; c < NR; ++c) sums[r][c] = start;
-    }
-    if constexpr (kNibbles) {
+    if constexpr (F::kBits == 4) {
+      for (int r = 0; r < MR; ++r)
+        for (int c = 0; c < NR; ++c) sums[r][c] = _mm512_setzero_si512();
       for (int j = 0; j < 4; ++j) {
         __m512i lo[NR], hi[NR];
         for (int c = 0; c < NR; ++c) {
-          const __m512i v = _mm512_loadu_si512(w + c * w_stride + (b * 4 + j) * 64);
+          const __m512i v = _mm512_loadu_si512(cols.w + c * cols.w_stride + (b * 4 + j) * 64);
           lo[c] = _mm512_and_si512(v, low);
           hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         }
         step<MR, NR>(x, row0, b * kGroup + 4 * j, lo, sums);
         step<MR, NR>(x, row0, b * kGroup + 16 + 4 * j, hi, sums);
       }
+      scale_group<MR, NR, F>(x, row0, b, b, sums, cols, acc);
     } else {
-      for (int s = 0; s < kSteps; ++s) {
-        __m512i wv[NR];
-        for (int c = 0; c < NR; ++c) wv[c] = _mm512_loadu_si512(w + c * w_stride + (b * kSteps + s) * 64);
-        step<MR, NR>(x, row0, b * kGroup + 4 * s, wv, sums);
-      }
-    }
-    __m512 dv[NR], mv[NR];
-    for (int c = 0; c < NR; ++c) {
-      dv[c] = load_half(d + c * dm_stride + b * kBlock);
-      if constexpr (kNibbles) mv[c] = load_half(m + c * dm_stride + b * kBlock);
-    }
-    for (int r = 0; r < MR; ++r) {
-      const __m512 dx = _mm512_set1_ps(x.d[(row0 + r) * x.blocks + b]);
-      for (int c = 0; c < NR; ++c) {
-        if constexpr (kNibbles) acc[r][c] = _mm512_fmadd_ps(mv[c], _mm512_set1_ps(x.s[(row0 + r) * x.blocks + b]), acc[r][c]);
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][c]), _mm512_mul_ps(dv[c], dx), acc[r][c]);
+      constexpr int kGroupSteps = kSteps / F::kScalesPerBlock;
+      for (int h = 0; h < F::kScalesPerBlock; ++h) {
+        for (int r = 0; r < MR; ++r) {
+          const __m512i start = F::kMins ? _mm512_setzero_si512() : _mm512_set1_epi32(x.offset[(row0 + r) * x.blocks + b]);
+          for (int c = 0; c < NR; ++c) sums[r][c] = start;
+        }
+        for (int s = h * kGroupSteps; s < (h + 1) * kGroupSteps; ++s) {
+          __m512i wv[NR];
+          for (int c = 0; c < NR; ++c) wv[c] = _mm512_loadu_si512(cols.w + c * cols.w_stride + (b * kSteps + s) * 64);
+          step<MR, NR>(x, row0, b * kGroup + 4 * s, wv, sums);
+        }
+        scale_group<MR, NR, F>(x, row0, b, b * F::kScalesPerBlock + h, sums, cols, acc);
       }
     }
   }
@@ -220,47 +302,49 @@ template <int MR, int NR, bool kNibbles, bool kGated, typename out_t>
 namespace {
 
 // All rows against NR column blocks, a row tile at a time.
-template <int NR, bool kNibbles, bool kGated, typename out_t>
-void column_group(const QuantizedRows& x, int64_t M, const uint8_t* w, int64_t w_stride, const c10::Half* d,
-                  const c10::Half* m, int64_t dm_stride, const float* bias, out_t* out, int64_t ldo,
-                  PrefetchCursor& prefetch, PrefetchCursor& next_group) {
+template <int NR, typename F, bool kGated, typename out_t>
+void column_group(const QuantizedRows& x, int64_t M, const ColumnBlocks<F>& cols, const float* bias, out_t* out,
+                  int64_t ldo, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
   for_each_row_tile<kRows>(
       0, M,
-      [&](auto height, int64_t r) {
-        tile<decltype(height)::value, NR, kNibbles, kGated, out_t>(x, r, w, w_stride, d, m, dm_stride, bias, out + r * ldo, ldo);
-      },
+      [&](auto height, int64_t r) { tile<decltype(height)::value, NR, F, kGated, out_t>(x, r, cols, bias, out + r * ldo, ldo); },
       [&] { prefetch.step(), next_group.step(); });
 }
 
-// The weights of every column group (kCols column blocks: weights, scales and mins) for `body`, the groups split
-// evenly between the threads.  Each thread pulls its next group into cache during the current one's row tiles,
-// and its share of `plan` over all its row tiles.  body(g, w, d, m, prefetch, next_group): group g.
+// The packed weights of a product: every column block's weights, scales and mins, in one format.
 struct Weights {
   const uint8_t* packed;
-  int bits;
-  const c10::Half* d;
-  const c10::Half* m;  // null for Q8_0
-  int64_t column_blocks, stride, dm_stride;  // strides per column block
-
-  Weights(const uint8_t* packed, int bits, const c10::Half* d, const c10::Half* m, int64_t column_blocks, int64_t K)
-      : packed(packed), bits(bits), d(d), m(bits == 4 ? m : nullptr), column_blocks(column_blocks),
-        stride(K * kBlock * bits / 8), dm_stride(K / kGroup * kBlock) {}
+  FormatId format;
+  const char* d;
+  const char* m;  // null for signed formats
+  int64_t column_blocks;
+  int64_t stride, dm_stride, dm_bytes;  // per column block: weight bytes, scales (or mins), their bytes
 
   int64_t groups() const { return (column_blocks + kCols - 1) / kCols; }
   int64_t count(int64_t g) const { return std::min<int64_t>(kCols, column_blocks - g * kCols); }
 
+  // Column block `first` on, as format F.
+  template <typename F>
+  ColumnBlocks<F> at(int64_t first) const {
+    using scale_t = typename F::scale_t;
+    return {packed + first * stride, reinterpret_cast<const scale_t*>(d + first * dm_bytes),
+            m ? reinterpret_cast<const scale_t*>(m + first * dm_bytes) : nullptr, stride, dm_stride};
+  }
+
+  // body(g, prefetch, next_group) for every column group g (kCols column blocks), the groups split evenly between
+  // the threads.  Each thread pulls its next group into cache during the current one's row tiles, and its share of
+  // `plan` over all its row tiles.
   template <typename Body>
   void for_each_group(int64_t M, const PrefetchPlan* plan, const Body& body) const {
     at::parallel_for(0, groups(), 1, [&](int64_t begin, int64_t end) {
       PrefetchCursor prefetch = PrefetchCursor::thread_share(plan, (end - begin) * (M / kRows));
       for (int64_t g = begin; g < end; ++g) {
-        const int64_t first = g * kCols, next = first + kCols, next_count = g + 1 == end ? 0 : count(g + 1);
+        const int64_t next = (g + 1) * kCols, next_count = g + 1 == end ? 0 : count(g + 1);
         const ByteRange ahead[3] = {{reinterpret_cast<const char*>(packed + next * stride), next_count * stride},
-                                    {reinterpret_cast<const char*>(d + next * dm_stride), next_count * dm_stride * 2},
-                                    {reinterpret_cast<const char*>(m + next * dm_stride), next_count * dm_stride * 2}};
+                                    {d + next * dm_bytes, next_count * dm_bytes},
+                                    {m + next * dm_bytes, next_count * dm_bytes}};
         PrefetchCursor next_group(ahead, ahead + (next_count == 0 ? 0 : m ? 3 : 2), M / kRows);
-        body(g, packed + first * stride, d + first * dm_stride, m ? m + first * dm_stride : nullptr, prefetch,
-             next_group);
+        body(g, prefetch, next_group);
       }
     });
   }
@@ -270,37 +354,33 @@ template <bool kGated, typename out_t>
 void product(const QuantizedRows& x, int64_t M, const Weights& weights, const float* bias, out_t* out,
              const PrefetchPlan* plan) {
   const int64_t N = (kGated ? weights.column_blocks / 2 : weights.column_blocks) * kBlock;
-  const int64_t stride = weights.stride, dm_stride = weights.dm_stride;
-  weights.for_each_group(M, plan, [&](int64_t g, const uint8_t* w, const c10::Half* dg, const c10::Half* mg,
-                                      PrefetchCursor& prefetch, PrefetchCursor& next_group) {
-    const int64_t first = g * kCols;
-    const float* bg = bias ? bias + first * kBlock : nullptr;
-    out_t* o = out + (kGated ? g : first) * kBlock;
-    if (kGated || weights.count(g) == 2) {
-      if (weights.bits == 4) column_group<2, true, kGated>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch, next_group);
-      else column_group<2, false, kGated>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch, next_group);
-    } else if constexpr (!kGated) {
-      if (weights.bits == 4) column_group<1, true, false>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch, next_group);
-      else column_group<1, false, false>(x, M, w, stride, dg, mg, dm_stride, bg, o, N, prefetch, next_group);
-    }
+  with_format(weights.format, [&](auto format) {
+    using F = decltype(format);
+    weights.for_each_group(M, plan, [&](int64_t g, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
+      const int64_t first = g * kCols;
+      const ColumnBlocks<F> cols = weights.at<F>(first);
+      const float* bg = bias ? bias + first * kBlock : nullptr;
+      out_t* o = out + (kGated ? g : first) * kBlock;
+      if (kGated || weights.count(g) == 2) column_group<2, F, kGated>(x, M, cols, bg, o, N, prefetch, next_group);
+      else if constexpr (!kGated) column_group<1, F, false>(x, M, cols, bg, o, N, prefetch, next_group);
+    });
   });
 }
 
 // The product's k largest outputs per row, as top_k_rows of the float32 product would find them, without writing
 // the product: each tile's outputs go to a small buffer in L1 and on to the row's running list (TopK) of the
 // thread, and the threads' lists are merged at the end.  For the output head, whose [rows, vocabulary] float32
-// logits (12.6 MB at 64 rows) were written and read back twice (the top-k pass, then the argmax).
-template <int NR, bool kNibbles>
-void column_group_top_k(const QuantizedRows& x, int64_t M, const uint8_t* w, int64_t w_stride, const c10::Half* d,
-                        const c10::Half* m, int64_t dm_stride, int64_t first_output, TopK* lists,
-                        PrefetchCursor& prefetch, PrefetchCursor& next_group) {
+// logits would otherwise be written and read back twice (the top-k pass, then the argmax).
+template <int NR, typename F>
+void column_group_top_k(const QuantizedRows& x, int64_t M, const ColumnBlocks<F>& cols, int64_t first_output,
+                        TopK* lists, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
   float buffer[kRows * kCols * kBlock];
   constexpr int64_t ldo = kCols * kBlock;
   for_each_row_tile<kRows>(
       0, M,
       [&](auto height, int64_t r) {
         constexpr int kHeight = decltype(height)::value;
-        tile<kHeight, NR, kNibbles, false, float>(x, r, w, w_stride, d, m, dm_stride, nullptr, buffer, ldo);
+        tile<kHeight, NR, F, false, float>(x, r, cols, nullptr, buffer, ldo);
         for (int i = 0; i < kHeight; ++i)
           for (int c = 0; c < NR; ++c)
             lists[r + i].offer16(load16(buffer + i * ldo + c * kBlock), first_output + c * kBlock);
@@ -312,17 +392,15 @@ void product_top_k(const QuantizedRows& x, int64_t M, const Weights& weights, in
                    int64_t* indices) {
   const int64_t threads = at::get_num_threads();
   std::vector<TopK> lists(static_cast<size_t>(threads * M), TopK(k));  // per thread, per row
-  weights.for_each_group(M, nullptr, [&](int64_t g, const uint8_t* w, const c10::Half* dg, const c10::Half* mg,
-                                         PrefetchCursor& prefetch, PrefetchCursor& next_group) {
-    TopK* mine = lists.data() + at::get_thread_num() * M;
-    const int64_t stride = weights.stride, dm_stride = weights.dm_stride, first = g * kCols * kBlock;
-    if (weights.count(g) == 2) {
-      if (weights.bits == 4) column_group_top_k<2, true>(x, M, w, stride, dg, mg, dm_stride, first, mine, prefetch, next_group);
-      else column_group_top_k<2, false>(x, M, w, stride, dg, mg, dm_stride, first, mine, prefetch, next_group);
-    } else {
-      if (weights.bits == 4) column_group_top_k<1, true>(x, M, w, stride, dg, mg, dm_stride, first, mine, prefetch, next_group);
-      else column_group_top_k<1, false>(x, M, w, stride, dg, mg, dm_stride, first, mine, prefetch, next_group);
-    }
+  with_format(weights.format, [&](auto format) {
+    using F = decltype(format);
+    weights.for_each_group(M, nullptr, [&](int64_t g, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
+      TopK* mine = lists.data() + at::get_thread_num() * M;
+      const ColumnBlocks<F> cols = weights.at<F>(g * kCols);
+      const int64_t first = g * kCols * kBlock;
+      if (weights.count(g) == 2) column_group_top_k<2, F>(x, M, cols, first, mine, prefetch, next_group);
+      else column_group_top_k<1, F>(x, M, cols, first, mine, prefetch, next_group);
+    });
   });
   // The threads took the groups in order (thread t a range below thread t + 1's).
   merge_in_thread_order(lists, M, values, indices);
@@ -349,6 +427,28 @@ struct Operands {
   int64_t M;
 };
 
+// The format of packed weights, from their tensors (see kernels.quant_pack): 4 bits are 5-dimensional; signed bytes
+// have no mins; float32 scales hold one per block of 32 or per half block.
+FormatId format_of(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins, int64_t blocks) {
+  const int64_t column_blocks = packed.size(0), per_block = column_blocks * blocks * kBlock;
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK((half || scales.scalar_type() == at::kFloat) && mins.scalar_type() == scales.scalar_type(),
+              "quant_linear: scales and mins must be float16 or float32, alike");
+  TORCH_CHECK(mins.numel() == 0 || mins.numel() == scales.numel(), "quant_linear: mins must match the scales");
+  if (packed.dim() == 5) {
+    TORCH_CHECK(scales.numel() == per_block && mins.numel() == per_block,
+                "quant_linear: 4 bits need scales and mins [N / 16, K / 32, 16]");
+    return half ? FormatId::kQ4 : FormatId::kQ4Wide;
+  }
+  if (mins.numel() == 0) {
+    TORCH_CHECK(half && scales.numel() == per_block, "quant_linear: signed bytes need float16 scales [N / 16, K / 32, 16]");
+    return FormatId::kQ8;
+  }
+  TORCH_CHECK(!half && (scales.numel() == per_block || scales.numel() == 2 * per_block),
+              "quant_linear: bytes with mins need float32 scales and mins [N / 16, K / 32 or K / 16, 16]");
+  return scales.numel() == per_block ? FormatId::kQ8Mins : FormatId::kQ8HalfMins;
+}
+
 Operands operands(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "quant_linear: x must be bf16 or float32 [M, K]");
@@ -357,29 +457,32 @@ Operands operands(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   TORCH_CHECK(packed.scalar_type() == at::kByte && ((packed.dim() == 5 && packed.size(1) == blocks) ||
                                                      (packed.dim() == 4 && packed.size(1) * 4 == K)),
               "quant_linear: weight not packed for this K");
+  const FormatId format = format_of(packed, scales, mins, blocks);
   const int bits = packed.dim() == 5 ? 4 : 8;
   const int64_t column_blocks = packed.size(0);
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf &&
-                  scales.numel() == column_blocks * blocks * kBlock && mins.numel() == (bits == 4 ? scales.numel() : 0),
-              "quant_linear: scales (and for 4 bits mins) must be float16 [N / 16, K / 32, 16]; 8 bits have no mins");
   const at::Tensor a = x.contiguous(), w = packed.contiguous(), d = scales.contiguous(), m = mins.contiguous();
   thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> dx, sx;
-  thread_local std::vector<int32_t> offset;
+  thread_local std::vector<float> dx, sx, half_sx;
+  thread_local std::vector<int32_t> offset, half_offset;
   if (xq.size() < static_cast<size_t>(M * K)) xq.resize(static_cast<size_t>(M * K));
   if (dx.size() < static_cast<size_t>(M * blocks)) {
     dx.resize(static_cast<size_t>(M * blocks));
     sx.resize(static_cast<size_t>(M * blocks));
     offset.resize(static_cast<size_t>(M * blocks));
+    half_sx.resize(static_cast<size_t>(2 * M * blocks));
+    half_offset.resize(static_cast<size_t>(2 * M * blocks));
   }
-  if (a.scalar_type() == at::kFloat) {
-    quantize_rows(a.data_ptr<float>(), M, K, xq.data(), dx.data(), sx.data(), offset.data());
-  } else {
-    quantize_rows(a.data_ptr<at::BFloat16>(), M, K, xq.data(), dx.data(), sx.data(), offset.data());
-  }
-  const Weights weights(w.data_ptr<uint8_t>(), bits, d.data_ptr<c10::Half>(),
-                        bits == 4 ? m.data_ptr<c10::Half>() : nullptr, column_blocks, K);
-  return {w, d, m, weights, {xq.data(), dx.data(), sx.data(), offset.data(), K, blocks}, M};
+  auto quantize = [&](const auto* rows) {
+    quantize_rows(rows, M, K, xq.data(), dx.data(), sx.data(), offset.data(), half_sx.data(), half_offset.data());
+  };
+  if (a.scalar_type() == at::kFloat) quantize(a.data_ptr<float>());
+  else quantize(a.data_ptr<at::BFloat16>());
+  const int64_t dm_stride = scales.numel() / column_blocks;
+  const Weights weights{w.data_ptr<uint8_t>(), format, static_cast<const char*>(d.data_ptr()),
+                        m.numel() ? static_cast<const char*>(m.data_ptr()) : nullptr, column_blocks,
+                        K * kBlock * bits / 8, dm_stride, dm_stride * static_cast<int64_t>(d.element_size())};
+  return {w, d, m, weights,
+          {xq.data(), dx.data(), sx.data(), offset.data(), half_sx.data(), half_offset.data(), K, blocks}, M};
 }
 
 }  // namespace

@@ -6,9 +6,10 @@
 // products vpdpbusd gives, for 8 outputs (a 64-byte step of 16 outputs is two 32-byte halves).
 //   4 bits: q <= 15, so a pair is at most 2 * 15 * 127 and a block's 8 steps add up in int16 without overflow
 //           (30480 < 2^15): one vpmaddwd per block and half, not per step.
-//   8 bits: stored as q + 128, which vpmaddubsw's pairs could overflow; the tile runs the signed q (its magnitude
-//           as the unsigned byte, its sign moved onto the activation: |q| <= 128, pairs < 2^15), one vpmaddwd per
-//           step.  sum(q * xq) is the integer the AVX-512 tile reaches as sum((q + 128) * xq) - 128 * sum(xq).
+//   8 bits: a byte q up to 255, which vpmaddubsw's pairs could overflow; the tile runs q - 128 (its magnitude as
+//           the unsigned byte, its sign moved onto the activation: |q - 128| <= 128, pairs < 2^15), one vpmaddwd
+//           per step.  For signed formats sum((q - 128) * xq) is the integer the AVX-512 tile reaches from its
+//           start of -128 * sum(xq); with mins, 128 * sum(xq) is added back to give its sum(q * xq).
 // The block's scaling is the AVX-512 tile's, in the same order (fused multiply-adds are exact to one rounding on
 // both), so each output has the same bits on either CPU.
 //
@@ -26,7 +27,9 @@
 namespace fiberserve {
 namespace {
 
-inline __m256 cvt_half8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load_scales8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+inline __m256 load_scales8(const float* p) { return _mm256_loadu_ps(p); }
 
 // An empty asm that takes v in a register and may change it: the compiler must finish each step's sum before the
 // next instead of reassociating the integer adds (GCC computed all 32 of a block's products first and spilled them
@@ -40,9 +43,10 @@ inline __m256i broadcast4(const int8_t* p) {
 }
 
 // As the AVX-512 quantize_rows: xq = round-to-nearest-even(x * 127 / max|x|) per block of 32, saturated to int8,
-// dx, dx * sum(xq), and -128 * sum(xq) (unused here, kept so that QuantizedRows means the same on both).
+// dx, dx * sum(xq) and -128 * sum(xq), and the two sums per half block.
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx, int32_t* offset) {
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx, int32_t* offset,
+                   float* half_sx, int32_t* half_offset) {
   const int64_t blocks = K / kGroup;
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     // packs_epi32 and packs_epi16 work within 128-bit lanes; this puts the 32 bytes back in order.
@@ -68,31 +72,51 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, floa
         const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + r * K + b * kGroup),
                             _mm256_permutevar8x32_epi32(bytes, order));
-        // The sum of the unsaturated values, as the AVX-512 path takes it.
-        alignas(32) int32_t lanes[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
-                           _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
-        int32_t sum = 0;
-        for (int l = 0; l < 8; ++l) sum += lanes[l];
+        // The sums of the unsaturated values, as the AVX-512 path takes them.
+        alignas(32) int32_t lanes[2][8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[0]), _mm256_add_epi32(q[0], q[1]));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[1]), _mm256_add_epi32(q[2], q[3]));
+        int32_t half[2] = {0, 0};
+        for (int h = 0; h < 2; ++h)
+          for (int l = 0; l < 8; ++l) half[h] += lanes[h][l];
+        const int32_t sum = half[0] + half[1];
         dx[r * blocks + b] = d;
         sx[r * blocks + b] = d * static_cast<float>(sum);
         offset[r * blocks + b] = -128 * sum;
+        for (int h = 0; h < 2; ++h) {
+          half_sx[(r * blocks + b) * 2 + h] = d * static_cast<float>(half[h]);
+          half_offset[(r * blocks + b) * 2 + h] = -128 * half[h];
+        }
       }
     }
   });
 }
 
-// The tile's MR rows of one half (8 outputs) of a column block: the float sums, block after block, into
+// The float sums of scale group g (of block b) from its integer sums, into result: acc += m * sx + sums * (d * dx).
+template <int MR, typename F>
+inline void scale_group8(const QuantizedRows& x, int64_t row0, int64_t b, int64_t g, const __m256i (&sums)[MR],
+                         const typename F::scale_t* d, const typename F::scale_t* m, float* result, int64_t ldr) {
+  const __m256 dv = load_scales8(d + g * kBlock);
+  const __m256 mv = F::kMins ? load_scales8(m + g * kBlock) : _mm256_setzero_ps();
+  for (int r = 0; r < MR; ++r) {
+    __m256 acc = _mm256_load_ps(result + r * ldr);
+    if constexpr (F::kMins) acc = _mm256_fmadd_ps(mv, _mm256_set1_ps(x.sum<F::kScaleGroup>(row0 + r, g)), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(dv, _mm256_set1_ps(x.d[(row0 + r) * x.blocks + b])), acc);
+    _mm256_store_ps(result + r * ldr, acc);
+  }
+}
+
+// The tile's MR rows of one half (8 outputs) of a column block: the float sums, group after group, into
 // result[r][0..8).  Walking a half with every row of the tile unpacks each weight load once for MR rows.
-template <int MR, bool kNibbles>
-inline void half_tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, const c10::Half* d, const c10::Half* m,
-                      float* result, int64_t ldr) {
+template <int MR, typename F>
+inline void half_tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, const typename F::scale_t* d,
+                      const typename F::scale_t* m, float* result, int64_t ldr) {
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
   for (int r = 0; r < MR; ++r) _mm256_store_ps(result + r * ldr, _mm256_setzero_ps());
   for (int64_t b = 0; b < x.blocks; ++b) {
     __m256i sums[MR];
     const int8_t* xb = x.q + row0 * x.K + b * kGroup;
-    if constexpr (kNibbles) {
+    if constexpr (F::kBits == 4) {
       __m256i s16[MR];
       for (int r = 0; r < MR; ++r) s16[r] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
@@ -105,39 +129,37 @@ inline void half_tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, co
         }
       }
       for (int r = 0; r < MR; ++r) sums[r] = _mm256_madd_epi16(s16[r], ones);
+      scale_group8<MR, F>(x, row0, b, b, sums, d, m, result, ldr);
     } else {
-      for (int r = 0; r < MR; ++r) sums[r] = _mm256_setzero_si256();
-      for (int s = 0; s < kSteps; ++s) {
-        const __m256i sign = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b * kSteps + s) * 64)), flip);
-        const __m256i mag = _mm256_abs_epi8(sign);  // |q|, read unsigned: 128 for q = -128
-        for (int r = 0; r < MR; ++r) {
-          const __m256i pairs = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(broadcast4(xb + r * x.K + 4 * s), sign));
-          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs, ones));
-          in_register(sums[r]);
+      constexpr int kGroupSteps = kSteps / F::kScalesPerBlock;
+      for (int h = 0; h < F::kScalesPerBlock; ++h) {
+        const int64_t g = b * F::kScalesPerBlock + h;
+        for (int r = 0; r < MR; ++r)  // with mins: sum(q * xq) = sum((q - 128) * xq) - (-128 * sum(xq))
+          sums[r] = F::kMins ? _mm256_set1_epi32(-x.offset_of<F::kScaleGroup>(row0 + r, g)) : _mm256_setzero_si256();
+        for (int s = h * kGroupSteps; s < (h + 1) * kGroupSteps; ++s) {
+          const __m256i sign = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b * kSteps + s) * 64)), flip);
+          const __m256i mag = _mm256_abs_epi8(sign);  // |q - 128|, read unsigned: 128 for q = 0
+          for (int r = 0; r < MR; ++r) {
+            const __m256i pairs = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(broadcast4(xb + r * x.K + 4 * s), sign));
+            sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs, ones));
+            in_register(sums[r]);
+          }
         }
+        scale_group8<MR, F>(x, row0, b, g, sums, d, m, result, ldr);
       }
-    }
-    const __m256 dv = cvt_half8(d + b * kBlock);
-    const __m256 mv = kNibbles ? cvt_half8(m + b * kBlock) : _mm256_setzero_ps();
-    for (int r = 0; r < MR; ++r) {
-      const int64_t at = (row0 + r) * x.blocks + b;
-      __m256 acc = _mm256_load_ps(result + r * ldr);
-      if constexpr (kNibbles) acc = _mm256_fmadd_ps(mv, _mm256_set1_ps(x.s[at]), acc);
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(dv, _mm256_set1_ps(x.d[at])), acc);
-      _mm256_store_ps(result + r * ldr, acc);
     }
   }
 }
 
 // The AVX-512 tile's contract (see linear_quant.cpp): MR rows x NR column blocks of the product, plus bias, to out.
-template <int MR, int NR, bool kNibbles, bool kGated, typename out_t>
-[[gnu::noinline]] void tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, int64_t w_stride, const c10::Half* d,
-                            const c10::Half* m, int64_t dm_stride, const float* bias, out_t* out, int64_t ldo) {
+template <int MR, int NR, typename F, bool kGated, typename out_t>
+[[gnu::noinline]] void tile(const QuantizedRows& x, int64_t row0, const ColumnBlocks<F>& cols, const float* bias,
+                            out_t* out, int64_t ldo) {
   alignas(64) float result[MR][NR][kBlock];
   for (int c = 0; c < NR; ++c)
     for (int h = 0; h < 2; ++h)
-      half_tile<MR, kNibbles>(x, row0, w + c * w_stride + 32 * h, d + c * dm_stride + 8 * h,
-                              kNibbles ? m + c * dm_stride + 8 * h : nullptr, result[0][c] + 8 * h, NR * kBlock);
+      half_tile<MR, F>(x, row0, cols.w + c * cols.w_stride + 32 * h, cols.d + c * cols.dm_stride + 8 * h,
+                       F::kMins ? cols.m + c * cols.dm_stride + 8 * h : nullptr, result[0][c] + 8 * h, NR * kBlock);
   static_assert(!kGated || NR == 2, "a gated tile is one gate block and its up block");
   store_tile<MR, NR, kGated>(result, bias, out, ldo);
 }
