@@ -197,6 +197,10 @@ class _AttentionPlan:
         return cls(groups, prefills)
 
 
+#: The generic loop's attention: (q [T, H, D], one layer's k and v cache, the layer's window) -> [T, H * D].
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int | None], torch.Tensor]
+
+
 @dataclass
 class _KernelPlan:
     """The inputs of :func:`.kernels.paged_attention` for one forward call (every layer shares them)."""
@@ -352,8 +356,11 @@ class LlamaModel:
             self.logits = make_linear(w[head_name].to(self.device), None, quantization, dtype, head_bits)
         self.norm = w["model.norm.weight"].to(device=self.device, dtype=torch.float32)
         self.quantization = quantization
-        self.fused = self.device.type == "cpu" and config.plain_layers and kernels.supports(config, dtype)
-        if self.fused:
+        #: Attention runs on :func:`.kernels.paged_attention` (CPU, a head size and group the kernel takes).
+        self.kernel_attention = self.device.type == "cpu" and kernels.supports(config, dtype)
+        #: The whole layer runs on the extension's kernels (also Llama-shaped layers: no extra norms or windows).
+        self.fused = self.kernel_attention and config.plain_layers
+        if self.kernel_attention:
             kernels.load()
         # Layer by layer from the checkpoint's file: only one tensor's float32 copy exists at a time.
         self.layers = [
@@ -467,14 +474,7 @@ class LlamaModel:
             plan = _KernelPlan.build(batch, cache.page_size, tokens.numel())
             self._layers_fused(h, positions, write_slots, cache, plan)
         else:
-            windows = {self.config.layer_window(i) for i in range(self.config.num_layers)}
-            plans = {
-                window: _AttentionPlan.build(
-                    batch, cache.page_size, self.min_query_rows, self.dtype, self.device, window
-                )
-                for window in windows
-            }
-            h = self._layers_generic(h, positions, write_slots, cache, plans)
+            h = self._layers_generic(h, positions, write_slots, cache, self._attention_of(batch, cache, tokens.numel()))
         return F.rms_norm(h[batch.logit_rows.to(self.device)], (self.config.hidden_size,), self.norm, self.eps)
 
     def _layers_fused(self, h, positions, write_slots, cache: KVCache, plan: _KernelPlan) -> None:
@@ -495,11 +495,25 @@ class LlamaModel:
             delta = layer.down(layer.gate_up(x), wide=True)  # added to h unrounded
         h.add_(delta)
 
-    def _layers_generic(
-        self, h, positions, write_slots, cache: KVCache, plans: dict[int | None, _AttentionPlan]
-    ) -> torch.Tensor:
-        """The decoder layers in PyTorch ops and ``scaled_dot_product_attention`` (any device, any layer shape:
-        q/k norms, Gemma's extra norms, sliding-window layers; ``plans`` by window)."""
+    def _attention_of(self, batch: ForwardBatch, cache: KVCache, rows: int) -> Attention:
+        """The generic loop's attention for this batch: ``attend(q, k_cache, v_cache, window)`` -> [T, H * D].
+        On :func:`.kernels.paged_attention` where it takes the model (a row's bits then do not depend on the
+        rows beside it, as ``scaled_dot_product_attention``'s can on CPU), else ``scaled_dot_product_attention``."""
+        if self.kernel_attention:
+            plan = _KernelPlan.build(batch, cache.page_size, rows)
+            tables = (plan.pages, plan.row_span, plan.row_keys, cache.page_size, self.scale)
+            cap = self.config.attn_softcap
+            return lambda q, k, v, window: kernels.paged_attention(q, k, v, *tables, window, cap)
+        windows = {self.config.layer_window(i) for i in range(self.config.num_layers)}
+        plans = {
+            window: _AttentionPlan.build(batch, cache.page_size, self.min_query_rows, self.dtype, self.device, window)
+            for window in windows
+        }
+        return lambda q, k, v, window: self._attention(q, k, v, cache.page_size, plans[window])
+
+    def _layers_generic(self, h, positions, write_slots, cache: KVCache, attend: Attention) -> torch.Tensor:
+        """The decoder layers in PyTorch ops and ``attend`` (any device, any layer shape: q/k norms, Gemma's extra
+        norms, sliding-window layers)."""
         cfg, dtype, eps = self.config, self.dtype, self.eps
         H, KVH, D, W = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         T, new = h.shape[0], write_slots.numel()
@@ -519,7 +533,7 @@ class LlamaModel:
             k_cache, v_cache = cache.k[index], cache.v[index]
             k_cache.index_copy_(0, write_slots, qk[:new, H:])
             v_cache.index_copy_(0, write_slots, qkv[:new, (H + KVH) * D :].view(new, KVH, D))
-            attended = layer.o(self._attention(qk[:, :H], k_cache, v_cache, cache.page_size, plans[window]))
+            attended = layer.o(attend(qk[:, :H], k_cache, v_cache, window))
             h = h + _norm_if(attended, layer.post_attn_norm, eps)
             x = F.rms_norm(h, (W,), layer.mlp_norm, eps).to(dtype)
             h = h + _norm_if(layer.down(layer.gate_up(x)), layer.post_mlp_norm, eps)

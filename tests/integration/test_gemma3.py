@@ -53,3 +53,37 @@ def test_served_with_the_defaults_a_batch_gives_each_prompt_its_own_tokens(gemma
         llm.check_integrity()
     assert batched == alone and all(len(tokens) == 12 for tokens in batched)
     assert "Paris" in paris or "capital" in paris, paris
+
+
+def test_a_rows_bits_do_not_depend_on_its_span_or_batch(gemma_path):
+    """A draft's verification computes a row in a span of several beside other sequences; its hidden state must
+    be the bits of the same row decoded alone (the token histories are two of a served batch where the attention
+    of PyTorch's scaled_dot_product_attention, which the kernel replaced, gave other bits in the last layer)."""
+    from fiberserve.model import ForwardBatch, KVCache, SequenceSpan
+
+    model = LlamaModel(load_checkpoint(gemma_path), torch.bfloat16)
+    a = [2, 818, 5279, 529, 7001, 563, 506, 5279, 529, 506, 2891, 529, 7001, 236761, 1030, 563, 506, 7488, 3207, 528]
+    a += [7001, 532, 506, 1855, 7488, 3207, 528]
+    b = [2, 2063, 10779, 78113, 236769, 236749, 1473, 107, 140, 584, 538, 1251, 236743, 236771, 236787, 107, 144]
+    b += [2060, 236743, 236771, 107, 140, 36208, 538, 1251, 236743, 236770, 236787]
+    page = 16
+
+    def batch(seqs: list[tuple[list[int], list[int], int]]) -> ForwardBatch:
+        tokens, positions, write, spans = [], [], [], []
+        for tokens_of, pages, start in seqs:
+            slots = (torch.tensor(pages)[:, None] * page + torch.arange(page)).flatten()[: len(tokens_of)]
+            spans.append(SequenceSpan(len(tokens), len(tokens_of) - start, len(tokens_of), slots))
+            tokens += tokens_of[start:]
+            positions.append(torch.arange(start, len(tokens_of)))
+            write.append(slots[start:])
+        rows = torch.arange(len(tokens))
+        return ForwardBatch(torch.tensor(tokens), torch.cat(positions), torch.cat(write), spans, rows)
+
+    def hidden(then: list[tuple[list[int], list[int], int]]) -> torch.Tensor:
+        cache = KVCache(model.config, 8, page, torch.bfloat16, "cpu")
+        model.forward(batch([(a[:25], [0, 3], 0), (b[:27], [1, 2], 0)]), cache)
+        return model._final_hidden(batch(then), cache)
+
+    alone = hidden([(a[:26], [0, 3], 25)])[0]
+    assert torch.equal(hidden([(a, [0, 3], 25), (b, [1, 2], 27)])[0], alone)
+    assert torch.equal(hidden([(a, [0, 3], 25)])[0], alone)

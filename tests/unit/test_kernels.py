@@ -16,8 +16,9 @@ kernels.load()
 PAGE = 4
 
 
-def reference_attention(q, k, v, tables, spans, keys):
-    """Row by row with PyTorch in float32: each row sees its span's first ``keys`` positions."""
+def reference_attention(q, k, v, tables, spans, keys, window=None, softcap=None):
+    """Row by row with PyTorch in float32: each row sees its span's first ``keys`` positions (their last
+    ``window``), scores capped as transformers' Gemma 2 caps them."""
     heads, kv_heads = q.shape[1], k.shape[1]
     out = []
     for row in range(q.shape[0]):
@@ -25,10 +26,13 @@ def reference_attention(q, k, v, tables, spans, keys):
             out.append(torch.zeros(q.shape[1] * q.shape[2]))
             continue
         slots = (tables[spans[row]].long()[:, None] * PAGE + torch.arange(PAGE)).flatten()[: keys[row]]
+        slots = slots[-window:] if window else slots
         kk = k[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [H, n, D]
         vv = v[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
-        o = F.scaled_dot_product_attention(q[row].float().unsqueeze(1), kk, vv)  # [H, 1, D]
-        out.append(o.flatten())
+        scores = q[row].float().unsqueeze(1) @ kk.transpose(1, 2) * q.shape[-1] ** -0.5  # [H, 1, n]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        out.append((scores.softmax(-1) @ vv).flatten())
     return torch.stack(out)
 
 
@@ -54,6 +58,20 @@ def test_paged_attention_matches_reference(dtype, head_dim):
     assert out.dtype == dtype and out.shape == (7, 6 * q.shape[-1])
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
     assert torch.equal(out[6], torch.zeros_like(out[6]))  # the padding row
+
+
+@pytest.mark.parametrize("window, softcap", [(3, None), (None, 2.0), (6, 1.5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_sliding_windows_and_soft_capping(dtype, window, softcap):
+    """A row sees the last ``window`` of its keys (the decode row past them, the chunk's rows both within and past
+    them); capped scores as Gemma 2 caps them (scores of a few units, where tanh bends)."""
+    q, k, v, tables, spans, keys = attention_case(dtype, head_dim=64)
+    q = q * 4
+    out = kernels.paged_attention(q, k, v, tables, spans, keys, PAGE, 0.125, window, softcap)
+    expected = reference_attention(q, k, v, tables, spans, keys, window, softcap)
+    tolerance = 2e-6 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+    assert not torch.allclose(out.float(), reference_attention(q, k, v, tables, spans, keys), atol=0.01)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -436,3 +436,26 @@ def test_more_architectures_match_transformers_from_both_files(tmp_path, arch):
     assert dataclasses.replace(from_gguf.config, rms_norm_eps=eps) == from_dir.config
     assert from_gguf.config.rms_norm_eps == pytest.approx(eps, rel=1e-6)
     torch.testing.assert_close(logits_of(from_gguf, tokens), reference, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_row_has_the_same_bits_decoded_alone_or_in_any_span_and_batch(tmp_path, arch, dtype):
+    """Architectures off the fused loop (sliding windows, soft-capping, extra norms) keep batch invariance: a
+    row's logits are the same bits decoded one token at a time alone, in a span of several (a draft's
+    verification, a prefill chunk) and beside other sequences, past the sliding window."""
+    from tests.tiny_models import write_transformers_model
+
+    path = write_transformers_model(tmp_path / arch, arch, seed=3, head_dim=256, query_pre_attn_scalar=256)
+    model = LlamaModel(load_checkpoint(path), dtype)
+    a, b = TOKENS * 2, TOKENS[3:] + TOKENS
+    pa, pb = [3, 1, 4, 0, 5, 9], [2, 6, 7, 8, 10]
+
+    def run(steps: list[list[tuple[list[int], list[int], int]]]) -> list[torch.Tensor]:
+        cache = KVCache(model.config, 16, PAGE, dtype, "cpu")
+        model.forward(prefill_batch([(a[:12], pa), (b[:10], pb)]), cache)
+        return [model.forward(prefill_batch([s[:2] for s in step], [s[2] for s in step]), cache) for step in steps]
+
+    one_by_one = torch.cat(run([[(a[: n + 1], pa, n)] for n in range(12, 20)]))
+    spans = run([[(a[:15], pa, 12), (b[:11], pb, 10)], [(a[:16], pa, 15)], [(a[:20], pa, 16), (b[:14], pb, 11)]])
+    assert torch.equal(torch.cat([spans[0][:3], spans[1], spans[2][:4]]), one_by_one)

@@ -133,14 +133,20 @@ def paged_attention(
     row_keys: torch.Tensor,
     page_size: int,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Each row of ``q`` [T, H, D] attends causally to its own sequence's keys in ``k``/``v`` [slots, KVH, D].
 
     ``pages`` int32 [S, P] is each sequence's page table; ``row_span`` int32 [T] names a row's sequence
-    (-1: a padding row, output zero); ``row_keys`` int32 [T] is how many keys it sees.  Returns [T, H * D].
-    A row's result is bit-identical whatever else is in the batch (see the C++ source).
+    (-1: a padding row, output zero); ``row_keys`` int32 [T] is how many keys it sees, of which a sliding
+    ``window`` keeps the last ``window``; ``softcap`` caps the scaled scores to ``softcap * tanh(s / softcap)``
+    (Gemma 2).  Returns [T, H * D].  A row's result is bit-identical whatever else is in the batch (see the C++
+    source).
     """
-    return torch.ops.fiberserve.paged_attention(q, k, v, pages, row_span, row_keys, page_size, scale)
+    return torch.ops.fiberserve.paged_attention(
+        q, k, v, pages, row_span, row_keys, page_size, scale, window or 0, softcap or 0.0
+    )
 
 
 def add_rms_norm(

@@ -77,7 +77,7 @@ void decoder_layers(at::Tensor& h, const at::Tensor& positions, const at::Tensor
     at::Tensor k = k_cache.select(0, static_cast<int64_t>(i)), v = v_cache.select(0, static_cast<int64_t>(i));
     at::Tensor x = add_rms_norm(h, delta, norms[2 * i], eps, dtype);
     const at::Tensor q = rope_store(linear(x, 4 * i, dtype), positions, cos, sin, write_slots, k, v, heads);
-    const at::Tensor attention = paged_attention(q, k, v, pages, row_span, row_keys, page_size, scale);
+    const at::Tensor attention = paged_attention(q, k, v, pages, row_span, row_keys, page_size, scale, 0, 0.0);
     x = add_rms_norm(h, linear(attention, 4 * i + 1, at::kFloat), norms[2 * i + 1], eps, dtype);
     if (i + 1 < layers)
       plan_kv_reads(k_cache.select(0, static_cast<int64_t>(i + 1)), v_cache.select(0, static_cast<int64_t>(i + 1)),

@@ -12,8 +12,10 @@
 
 namespace fiberserve {
 
+// window > 0: each row sees its last `window` keys only; softcap > 0: scores capped as Gemma 2 caps them.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pages,
-                           const at::Tensor& row_span, const at::Tensor& row_keys, int64_t page_size, double scale);
+                           const at::Tensor& row_span, const at::Tensor& row_keys, int64_t page_size, double scale,
+                           int64_t window, double softcap);
 
 at::Tensor add_rms_norm(at::Tensor& residual, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
                         double eps, at::ScalarType dtype);

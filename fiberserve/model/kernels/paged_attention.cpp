@@ -7,6 +7,8 @@
 //   pages    int32 [S, P]       page table of each sequence (span); slot = page * page_size + offset
 //   row_span int32 [T]          the span of each row, or -1 for a padding row (output zero)
 //   row_keys int32 [T]          how many keys the row sees (its position + 1: causal)
+//   window                      > 0: the row sees only the last `window` of them (sliding-window layers)
+//   softcap                     > 0: scores are softcap * tanh(score / softcap) (Gemma 2)
 //   returns  [T, H * D]         query head qh reads kv head qh / (H / KVH)
 //
 // Batch invariance: a row's result depends only on its query and its keys.  Each row is one work item
@@ -92,8 +94,15 @@ struct Attend {
   const scalar_t *q, *k, *v;
   const int32_t *pages, *span_of, *keys_of;
   scalar_t* out;
-  int64_t q_row_stride, heads, kv_heads, dim, max_pages, page_size;
-  float scale;
+  int64_t q_row_stride, heads, kv_heads, dim, max_pages, page_size, window;
+  float scale, softcap;
+
+  // softcap * tanh(s / softcap), tanh from exp of a non-positive argument (sign restored).
+  f32x16 capped(f32x16 s) const {
+    const f32x16 x = s * (1.0f / softcap), e = exp_nonpositive(select(x < 0.0f, x, -x) * 2.0f);
+    const f32x16 t = (1.0f - e) / (1.0f + e);
+    return select(x < 0.0f, -t, t) * softcap;
+  }
 
   // Work units begin..end-1: unit u is row u / parts against its kv heads' share u % parts (parts = 1: all of
   // them; parts = kv_heads: one each).  A row's heads run in turn: the first one's pass fetches the whole slot
@@ -115,12 +124,14 @@ struct Attend {
         std::fill(out + (row * heads + head_begin * G) * D, out + (row * heads + head_end * G) * D, scalar_t(0));
         continue;
       }
-      const int64_t n = keys_of[row], padded = (n + kLanes - 1) / kLanes * kLanes;
+      // The row's keys: positions first_key .. keys_of[row] - 1 (the last `window` where there is one).
+      const int64_t first_key = window > 0 ? std::max<int64_t>(0, keys_of[row] - window) : 0;
+      const int64_t n = keys_of[row] - first_key, padded = (n + kLanes - 1) / kLanes * kLanes;
       if (new_row) {
         const int32_t* table = pages + span * max_pages;
         slots.resize(n);
-        for (int64_t position = 0, page_index = 0, offset = 0; position < n; ++position) {
-          slots[position] = (static_cast<int64_t>(table[page_index]) * page_size + offset) * slot_width;
+        for (int64_t i = 0, page_index = first_key / page_size, offset = first_key % page_size; i < n; ++i) {
+          slots[i] = (static_cast<int64_t>(table[page_index]) * page_size + offset) * slot_width;
           if (++offset == page_size) ++page_index, offset = 0;
         }
         for (int64_t position = 0; position < std::min<int64_t>(kLanes, n); ++position)
@@ -166,8 +177,10 @@ struct Attend {
               }
             }
           }
-          for (int64_t g = 0; g < G; ++g)
-            store16(scores.data() + g * padded + first, lane_sums16(partial[g]) * scale);
+          for (int64_t g = 0; g < G; ++g) {
+            const f32x16 score = lane_sums16(partial[g]) * scale;
+            store16(scores.data() + g * padded + first, softcap > 0.0f ? capped(score) : score);
+          }
         }
 
         float total[kG];
@@ -215,9 +228,15 @@ struct Attend {
   }
 };
 
+// How a row's scores are formed: scaled, capped (softcap > 0), over the last `window` keys (window > 0).
+struct Scores {
+  float scale, softcap;
+  int64_t window;
+};
+
 template <typename scalar_t, int kChunks, int kGroup = 0>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pages,
-            const at::Tensor& row_span, const at::Tensor& row_keys, int64_t page_size, double scale,
+            const at::Tensor& row_span, const at::Tensor& row_keys, int64_t page_size, const Scores& scores,
             at::Tensor& out) {
   const Attend<scalar_t, kChunks, kGroup> work{q.data_ptr<scalar_t>(),       k.data_ptr<scalar_t>(),
                                        v.data_ptr<scalar_t>(),       pages.data_ptr<int32_t>(),
@@ -225,7 +244,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
                                        out.data_ptr<scalar_t>(),     q.stride(0),                  q.size(1),
                                        k.size(1),                    q.size(2),
                                        pages.size(1),                page_size,
-                                       static_cast<float>(scale)};
+                                       scores.window,                scores.scale,
+                                       scores.softcap};
   // Rows are the work items, unless there are fewer of them than threads (decoding one sequence on two cores)
   // and they have keys enough to be worth sharing: then each (row, kv head) is one, so that the threads share a
   // row's heads rather than one attending alone while the others wait (below kShareHeadsKeys, waking the other
@@ -242,25 +262,26 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
 // which CPUs without AVX-512 run), else at run time.
 template <typename scalar_t, int kChunks>
 void attend_grouped(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pages,
-                    const at::Tensor& row_span, const at::Tensor& row_keys, int64_t page_size, double scale,
+                    const at::Tensor& row_span, const at::Tensor& row_keys, int64_t page_size, const Scores& scores,
                     at::Tensor& out) {
   if constexpr (!std::is_same_v<scalar_t, c10::Half>) {
     switch (q.size(1) / k.size(1)) {
-      case 1: return attend<scalar_t, kChunks, 1>(q, k, v, pages, row_span, row_keys, page_size, scale, out);
-      case 2: return attend<scalar_t, kChunks, 2>(q, k, v, pages, row_span, row_keys, page_size, scale, out);
-      case 3: return attend<scalar_t, kChunks, 3>(q, k, v, pages, row_span, row_keys, page_size, scale, out);
-      case 4: return attend<scalar_t, kChunks, 4>(q, k, v, pages, row_span, row_keys, page_size, scale, out);
-      case 8: return attend<scalar_t, kChunks, 8>(q, k, v, pages, row_span, row_keys, page_size, scale, out);
+      case 1: return attend<scalar_t, kChunks, 1>(q, k, v, pages, row_span, row_keys, page_size, scores, out);
+      case 2: return attend<scalar_t, kChunks, 2>(q, k, v, pages, row_span, row_keys, page_size, scores, out);
+      case 3: return attend<scalar_t, kChunks, 3>(q, k, v, pages, row_span, row_keys, page_size, scores, out);
+      case 4: return attend<scalar_t, kChunks, 4>(q, k, v, pages, row_span, row_keys, page_size, scores, out);
+      case 8: return attend<scalar_t, kChunks, 8>(q, k, v, pages, row_span, row_keys, page_size, scores, out);
       default: break;
     }
   }
-  attend<scalar_t, kChunks>(q, k, v, pages, row_span, row_keys, page_size, scale, out);
+  attend<scalar_t, kChunks>(q, k, v, pages, row_span, row_keys, page_size, scores, out);
 }
 
 }  // namespace
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pages,
-                           const at::Tensor& row_span, const at::Tensor& row_keys, int64_t page_size, double scale) {
+                           const at::Tensor& row_span, const at::Tensor& row_keys, int64_t page_size, double scale,
+                           int64_t window, double softcap) {
   TORCH_CHECK(q.device().is_cpu(), "paged_attention runs on CPU");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [rows, heads, dim]");
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "the cache must be contiguous");
@@ -274,12 +295,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   at::Tensor qc = q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
   at::Tensor table = pages.contiguous(), spans = row_span.contiguous(), keys = row_keys.contiguous();
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
+  const Scores scores{static_cast<float>(scale), static_cast<float>(softcap), window};
   auto run = [&](auto zero) {
     using scalar_t = decltype(zero);
     switch (q.size(2) / kLanes) {
-      case 4: attend_grouped<scalar_t, 4>(qc, k, v, table, spans, keys, page_size, scale, out); break;
-      case 8: attend_grouped<scalar_t, 8>(qc, k, v, table, spans, keys, page_size, scale, out); break;
-      default: attend<scalar_t, 0>(qc, k, v, table, spans, keys, page_size, scale, out);
+      case 4: attend_grouped<scalar_t, 4>(qc, k, v, table, spans, keys, page_size, scores, out); break;
+      case 8: attend_grouped<scalar_t, 8>(qc, k, v, table, spans, keys, page_size, scores, out); break;
+      default: attend<scalar_t, 0>(qc, k, v, table, spans, keys, page_size, scores, out);
     }
   };
   switch (q.scalar_type()) {

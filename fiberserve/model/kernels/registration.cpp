@@ -7,7 +7,7 @@
 TORCH_LIBRARY(fiberserve, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k, Tensor v, Tensor pages, Tensor row_span, Tensor row_keys, "
-      "int page_size, float scale) -> Tensor");
+      "int page_size, float scale, int window=0, float softcap=0.0) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps, ScalarType dtype) -> Tensor");
   m.def(
       "rope_store(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor write_slots, Tensor(a!) k_cache, "
