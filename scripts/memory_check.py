@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-#: Bytes per block of 32 weights, and where the float16 scale sits, for the formats written here.
-BLOCK_BYTES = {"Q4_0": 18, "Q8_0": 34}
+#: The formats written here: inputs and bytes per block, and where its float16 scales sit (the rest is random).
+BLOCKS = {"Q4_0": (32, 18, (0,)), "Q8_0": (32, 34, (0,)), "Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,))}
 
 
 def llama_shape(billions: float) -> dict[str, int]:
@@ -46,10 +46,13 @@ def write_model(path: Path, shape: dict[str, int], kind: str, seed: int = 0) -> 
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(shape["vocab"])
 
+    inputs, size, scale_offsets = BLOCKS[kind]
+
     def blocks(rows: int, cols: int) -> np.ndarray:
-        raw = rng.integers(0, 256, (rows, cols // 32, BLOCK_BYTES[kind]), dtype=np.uint8)
-        scales = (rng.random((rows, cols // 32)) * 0.002).astype(np.float16)
-        raw[..., :2] = scales.view(np.uint8).reshape(rows, cols // 32, 2)
+        raw = rng.integers(0, 256, (rows, cols // inputs, size), dtype=np.uint8)
+        for offset in scale_offsets:
+            scales = (rng.random((rows, cols // inputs)) * 0.002).astype(np.float16)
+            raw[..., offset : offset + 2] = scales.view(np.uint8).reshape(rows, cols // inputs, 2)
         return raw.reshape(rows, -1)
 
     def norm(size: int) -> np.ndarray:
@@ -119,7 +122,7 @@ def measure(path: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=1.1, help="billions of parameters (about)")
-    parser.add_argument("--format", choices=sorted(BLOCK_BYTES), default="Q4_0")
+    parser.add_argument("--format", choices=sorted(BLOCKS), default="Q4_0")
     parser.add_argument("--dir", default=None, help="where to write the file (default: a temporary directory)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:

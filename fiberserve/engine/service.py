@@ -70,15 +70,15 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return torch.bfloat16 if kernels.bf16_gemm_available() else torch.float32
 
 
-#: The GGUF block formats whose files ``--quantization auto`` serves in int4: 4-bit blocks served as they are.
-AUTO_INT4_TYPES = frozenset(kind for kind, bits in NATIVE_BITS.items() if bits == 4)
+#: The GGUF block formats whose files ``--quantization auto`` serves in int4: those served in their own blocks.
+AUTO_INT4_TYPES = frozenset(NATIVE_BITS)
 
 
 def resolve_quantization(name: str, checkpoint: Checkpoint, device: str) -> str:
-    """``auto`` is int4 where that mode serves the file's own weights (a GGUF whose decoder matrices are all in 4-bit
-    blocks int4 computes with as they are, Q4_0 or Q4_1, as llama.cpp does) and is the faster mode: on a CPU whose
-    bf16 products do not run on AMX tiles (there, int4's integer products win at every batch size; on the tiles
-    bf16 wins from a few sequences on).  Otherwise none."""
+    """``auto`` is int4 where that mode serves the file's own weights (a GGUF whose decoder matrices are all in
+    blocks int4 computes with as they are, as llama.cpp does: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
+    IQ4_NL) and is the faster mode: on a CPU whose bf16 products do not run on AMX tiles (there, int4's integer
+    products win at every batch size; on the tiles bf16 wins from a few sequences on).  Otherwise none."""
     if name != "auto":
         return name
     if device != "cpu" or not checkpoint.decoder_weight_types or not checkpoint.decoder_weight_types <= AUTO_INT4_TYPES:

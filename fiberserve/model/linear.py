@@ -106,7 +106,7 @@ class QuantLinear:
     (:class:`.QuantBlocks`: a file's own blocks of a served format, or blocks quantized from float weights).
     Products:
 
-    * on CPUs with AVX512-VNNI, :func:`.kernels.quant_linear`, llama.cpp's Q4_1 x Q8_1 / Q8_0 x Q8_0
+    * on CPUs with AVX512-VNNI, :func:`.kernels.quant_linear`, llama.cpp's block formats x int8
       arithmetic: each row of ``x`` is quantized per block of 32 to int8, and the integer dot products run
       on ``vpdpbusd`` (the block scaling shares its issue slots, so the gain over bf16 is below VNNI's 2x);
     * on CPUs with AVX2 but no AVX512-VNNI, the same kernel with ``vpmaddubsw`` / ``vpmaddwd`` in place of

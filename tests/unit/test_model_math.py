@@ -320,22 +320,22 @@ def test_greedy_gives_the_argmax_of_forward(tiny_dirs, quantization):
     assert tokens == kernels.top_k_rows(logits, 1)[1][:, 0].tolist() == logits.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("qtype", [None, "Q4_1", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", [None, "F16", "Q4_1", "Q4_0", "Q8_0", "Q6_K"])
 def test_default_quantization_is_the_files_own_where_int4_is_faster(tmp_path, tiny_dirs, qtype):
-    """``--quantization auto``: int4 only for a GGUF whose decoder matrices are Q4_0 or Q4_1 (served in their own
-    blocks, so the file's weights exactly), and only on a CPU whose bf16 products do not run on AMX tiles."""
+    """``--quantization auto``: int4 only for a GGUF whose decoder matrices are all in formats served in their own
+    blocks (so the file's weights exactly), and only on a CPU whose bf16 products do not run on AMX tiles."""
     import gguf
 
     from fiberserve.engine.service import resolve_quantization
     from fiberserve.model import kernels
 
-    cfg = {**TINY, "hidden_size": 64, "intermediate_size": 256}
+    cfg = {**TINY, "hidden_size": 256, "intermediate_size": 512}  # K formats quantize rows of 256
     kind = None if qtype is None else gguf.GGMLQuantizationType[qtype]
     ck = load_checkpoint(write_gguf(tmp_path / "q.gguf", cfg, random_weights(cfg, seed=5), qtype=kind))
     assert ck.decoder_weight_types == {qtype or "F32"}
     kernels.load()
     int4_faster = "none" if kernels.bf16_amx() else "int4"
-    assert resolve_quantization("auto", ck, "cpu") == (int4_faster if qtype in ("Q4_0", "Q4_1") else "none")
+    assert resolve_quantization("auto", ck, "cpu") == (int4_faster if qtype not in (None, "F16") else "none")
     assert resolve_quantization("auto", ck, "cuda") == "none"
     assert resolve_quantization("none", ck, "cpu") == "none" and resolve_quantization("int4", ck, "cpu") == "int4"
     hf = load_checkpoint(tiny_dirs["hf"])

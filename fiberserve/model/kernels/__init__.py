@@ -269,8 +269,8 @@ def quant_linear(
     gated: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for block-quantized weights (from :func:`quant_pack`) and ``x`` [M, K] (bf16
-    or float32) quantized per row and block of 32 to int8 (llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0
-    arithmetic); the result in ``out_dtype`` (bfloat16 or float32); rows batch invariant at any M.
+    or float32) quantized per row and block of 32 to int8 (llama.cpp's arithmetic for block formats times
+    int8 activations); the result in ``out_dtype`` (bfloat16 or float32); rows batch invariant at any M.
 
     ``gated=True``: the weight's rows interleave gate and up features in chunks of :data:`QUANT_GATE_CHUNK`
     (see :func:`interleave_gate_up`) and the result is ``silu(gate) * up`` [M, N / 2], the same bits as

@@ -3,8 +3,8 @@
 // attention, o product, add + RMSNorm, gate/up product with SiLU x up in its epilogue (gated: the gate/up weights'
 // rows are interleaved, see GateUp in linear.py), down product (8 kernels; 240 for 30 layers).
 //
-// Each linear layer is one of the two kernels of this extension: quant_linear when its scales are given (Q4_1 or
-// Q8_0 blocks), bf16_linear otherwise.  The o and down products return float32, added to the float32 residual
+// Each linear layer is one of the two kernels of this extension: quant_linear when its scales are given (weights in
+// blocks, see linear_quant.cpp), bf16_linear otherwise.  The o and down products return float32, added to the float32 residual
 // unrounded, exactly as the Python loop does (so both loops give the same bits).
 
 #include <ATen/ATen.h>
