@@ -210,10 +210,10 @@ def _k_blocks(blocks: np.ndarray, type_name: str) -> QuantBlocks:
     """Q4_K, Q5_K and Q6_K super-blocks of 256 inputs [N, super-blocks, bytes] as :class:`QuantBlocks`."""
     n, supers = blocks.shape[:2]
     if type_name == "Q6_K":  # ql[128], qh[64], int8 scales[16], float16 d
-        low = blocks[..., :128].reshape(n, supers, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8)[:, None]
-        low = (low & 0x0F).reshape(n, supers, 8, 32)  # each 128 inputs: ql[0:64] low nibbles, then high
-        high = blocks[..., 128:192].reshape(n, supers, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
-        high = (high & 0x03).reshape(n, supers, 8, 32)
+        low_bytes = blocks[..., :128].reshape(n, supers, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8)[:, None]
+        low = (low_bytes & 0x0F).reshape(n, supers, 8, 32)  # each 128 inputs: ql[0:64] low nibbles, then high
+        shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+        high = ((blocks[..., 128:192].reshape(n, supers, 2, 1, 32) >> shifts) & 0x03).reshape(n, supers, 8, 32)
         q = (low | (high << 4)).astype(np.int16) + 96  # d * s * (q - 32) == d * s * ((q + 96) - 128)
         d = _halves(blocks, 208)[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)
         return QuantBlocks._of(q, d, -128 * d, 8, 128, group=16, float32_scales=True)
@@ -225,8 +225,8 @@ def _k_blocks(blocks: np.ndarray, type_name: str) -> QuantBlocks:
     quants = blocks[..., -128:].reshape(n, supers, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8)[:, None]
     q = (quants & 0x0F).reshape(n, supers, 8, 32).astype(np.int16)  # each 32 bytes: two blocks' nibbles
     if type_name == "Q5_K":  # qh[32]: bit j of byte l is the fifth bit of element l of block j
-        high = blocks[..., 16:48].reshape(n, supers, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
-        q |= (high & 1).astype(np.int16) << 4
+        fifth = (blocks[..., 16:48].reshape(n, supers, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+        q |= fifth.astype(np.int16) << 4
     bits = 4 if type_name == "Q4_K" else 8
     d, m = d * scales.astype(np.float32), -(dmin * mins.astype(np.float32))
     return QuantBlocks._of(q, d, m, bits, None, float32_scales=True)
