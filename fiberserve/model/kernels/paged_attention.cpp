@@ -11,10 +11,10 @@
 //   softcap                     > 0: scores are softcap * tanh(score / softcap) (Gemma 2)
 //   returns  [T, H * D]         query head qh reads kv head qh / (H / KVH)
 //
-// Batch invariance: a row's result depends only on its query and its keys.  Each row is one work item
-// with a fixed order of operations (float32 dot products with 16 fixed partial sums, a two-pass
-// softmax, a float32 weighted sum in key order), so a row computes the same bits alone, inside any batch,
-// as a decode token or inside a prefill chunk of any length.
+// Batch invariance: a row's result depends only on its query and its keys.  Each row has a fixed order of
+// operations (float32 dot products with 16 fixed partial sums, a two-pass softmax, a float32 weighted sum in key
+// order) whatever rows share its tile (see Attend), so a row computes the same bits alone, inside any batch, as a
+// decode token or inside a prefill chunk of any length.
 //
 // bfloat16 with head_dim 64 or 128 on AVX512-BF16 (kPairs): the dot products run on vdpbf16ps, two exact
 // bf16 products per lane and instruction, with no widening of q or k; the values are widened two dims per
@@ -85,10 +85,18 @@ inline f32x16 interleave(f32x16 even, f32x16 odd, int h) {
 #endif
 }
 
-// The work of rows: for each kv head, the G query heads sharing it against the row's n keys, read in place
-// through the page table.  kChunks = head_dim / 16 and kGroup = G when fixed at compile time, else 0.  With both
-// fixed, the G x kChunks value sums live in registers; with G known only at run time the compiler kept them on
-// the stack, a load and a store around every multiply-add of the value loop.
+// The work of row tiles: up to kTileRows consecutive rows of one span (a prefill chunk's; a decode row is a tile of
+// its own), for each kv head the G query heads sharing it against the rows' keys, read in place through the page
+// table.  Each key and value is loaded once for the tile's rows, not once per row: a long prefill's rows read the
+// whole sequence's keys and values each, more than the caches hold, so loads bound a row at a time.  kChunks =
+// head_dim / 16 and kGroup = G when fixed at compile time, else 0.
+//
+// A row's arithmetic does not depend on its tile: each score is its own 16 partial sums reduced by lane_sums16
+// (whose every output is its own lanes', in lane_sum's order), the softmax runs over the row's own keys in blocks of
+// 16 from its first, and the weighted sum adds the row's own keys in order; so a row computes the same bits alone,
+// inside any batch, as a decode token or inside a prefill chunk of any length.
+constexpr int kTileRows = 2;  // with G x head_dim / 16 sums per row in registers, 2 rows fill them
+
 template <typename scalar_t, int kChunks, int kGroup = 0>
 struct Attend {
   const scalar_t *q, *k, *v;
@@ -96,6 +104,16 @@ struct Attend {
   scalar_t* out;
   int64_t q_row_stride, heads, kv_heads, dim, max_pages, page_size, window;
   float scale, softcap;
+  const int64_t* tiles;  // tile t is rows tiles[t] .. tiles[t + 1] - 1
+
+  static constexpr int kG = kGroup ? kGroup : kMaxGroup, kC = kChunks ? kChunks : kMaxChunks;  // array sizes
+
+  // The keys of a tile: slots[i] is where key lo + i starts in k and v (slot * kv_heads * D); row r sees keys
+  // first[r] .. last[r] - 1.
+  struct Keys {
+    std::vector<int64_t> slots;
+    int64_t first[kTileRows], last[kTileRows], lo, hi;
+  };
 
   // softcap * tanh(s / softcap), tanh from exp of a non-positive argument (sign restored).
   f32x16 capped(f32x16 s) const {
@@ -104,124 +122,149 @@ struct Attend {
     return select(x < 0.0f, -t, t) * softcap;
   }
 
-  // Work units begin..end-1: unit u is row u / parts against its kv heads' share u % parts (parts = 1: all of
-  // them; parts = kv_heads: one each).  A row's heads run in turn: the first one's pass fetches the whole slot
+  // Work units begin..end-1: unit u is tile u / parts against its kv heads' share u % parts (parts = 1: all of
+  // them; parts = kv_heads: one each).  A tile's heads run in turn: the first one's pass fetches the whole slot
   // rows (every head's keys and values, contiguous), so the others find them in cache.  A kv head's result does
   // not depend on which unit computes it, so neither does a row's.
   void run(int64_t begin, int64_t end, int64_t parts) const {
-    const int64_t C = kChunks ? kChunks : dim / kLanes, D = C * kLanes, G = kGroup ? kGroup : heads / kv_heads;
+    const int64_t D = (kChunks ? kChunks : dim / kLanes) * kLanes, G = kGroup ? kGroup : heads / kv_heads;
     const int64_t slot_width = kv_heads * D;
-    constexpr int kG = kGroup ? kGroup : kMaxGroup, kC = kChunks ? kChunks : kMaxChunks;  // array sizes
-    f32x16 query[kG][kC], acc[kG][kC], key[kC];
-    std::vector<float> scores;
-    std::vector<int64_t> slots;  // where each key's slot row starts in k and v: slot * kv_heads * D
-    for (int64_t unit = begin, row = -1; unit < end; ++unit) {
-      const bool new_row = unit / parts != row;
-      row = unit / parts;
+    Keys keys;
+    std::vector<float> scores;  // [tile row][g][width]: the scores of keys lo.., then their probabilities
+    for (int64_t unit = begin, tile = -1; unit < end; ++unit) {
+      const bool new_tile = unit / parts != tile;
+      tile = unit / parts;
       const int64_t part = unit % parts, head_begin = part * kv_heads / parts, head_end = (part + 1) * kv_heads / parts;
-      const int32_t span = span_of[row];
+      const int64_t row0 = tiles[tile], R = tiles[tile + 1] - row0;
+      const int32_t span = span_of[row0];
       if (span < 0) {
-        std::fill(out + (row * heads + head_begin * G) * D, out + (row * heads + head_end * G) * D, scalar_t(0));
+        for (int64_t row = row0; row < row0 + R; ++row)
+          std::fill(out + (row * heads + head_begin * G) * D, out + (row * heads + head_end * G) * D, scalar_t(0));
         continue;
       }
-      // The row's keys: positions first_key .. keys_of[row] - 1 (the last `window` where there is one).
-      const int64_t first_key = window > 0 ? std::max<int64_t>(0, keys_of[row] - window) : 0;
-      const int64_t n = keys_of[row] - first_key, padded = (n + kLanes - 1) / kLanes * kLanes;
-      if (new_row) {
+      if (new_tile) {
+        keys.lo = std::numeric_limits<int64_t>::max(), keys.hi = 0;
+        for (int64_t r = 0; r < R; ++r) {
+          keys.last[r] = keys_of[row0 + r];
+          keys.first[r] = window > 0 ? std::max<int64_t>(0, keys.last[r] - window) : 0;
+          keys.lo = std::min(keys.lo, keys.first[r]), keys.hi = std::max(keys.hi, keys.last[r]);
+        }
         const int32_t* table = pages + span * max_pages;
-        slots.resize(n);
-        for (int64_t i = 0, page_index = first_key / page_size, offset = first_key % page_size; i < n; ++i) {
-          slots[i] = (static_cast<int64_t>(table[page_index]) * page_size + offset) * slot_width;
+        keys.slots.resize(keys.hi - keys.lo);
+        for (int64_t i = 0, page_index = keys.lo / page_size, offset = keys.lo % page_size; i < keys.hi - keys.lo; ++i) {
+          keys.slots[i] = (static_cast<int64_t>(table[page_index]) * page_size + offset) * slot_width;
           if (++offset == page_size) ++page_index, offset = 0;
         }
-        for (int64_t position = 0; position < std::min<int64_t>(kLanes, n); ++position)
-          prefetch(k + slots[position], slot_width);
+        for (int64_t i = 0; i < std::min<int64_t>(kLanes, keys.hi - keys.lo); ++i) prefetch(k + keys.slots[i], slot_width);
       }
       for (int64_t head = head_begin; head < head_end; ++head) {
-        const bool first_pass = new_row && head == head_begin;
-        if constexpr (!kPairs<scalar_t, kChunks>)
-          for (int64_t g = 0; g < G; ++g)
-            for (int64_t c = 0; c < C; ++c)
-              query[g][c] = load16(q + row * q_row_stride + (head * G + g) * D + c * kLanes);
-        scores.assign(G * padded, 0.0f);
+        const bool first_pass = new_tile && head == head_begin;
+        if (R == kTileRows) attend_tile<kTileRows>(row0, head, first_pass, keys, scores);
+        else attend_tile<1>(row0, head, first_pass, keys, scores);
+      }
+    }
+  }
 
-        // Scores 16 keys at a time: each key's 16 partial sums are reduced together with the others' by
-        // lane_sums16, in lane_sum's order, so a score has the same bits wherever its key falls.
-        for (int64_t first = 0; first < n; first += kLanes) {
-          f32x16 partial[kG][kLanes];
-          for (int64_t j = 0, count = std::min<int64_t>(kLanes, n - first); j < count; ++j) {
-            if (first_pass) {  // keys a group ahead, values for the second loop
-              if (first + j + kLanes < n) prefetch(k + slots[first + j + kLanes], slot_width);
-              prefetch(v + slots[first + j], slot_width);
-            }
-            const scalar_t* key_row = k + slots[first + j] + head * D;
-            if constexpr (kPairs<scalar_t, kChunks>) {
+  // kR rows from row0 against kv head `head` and the tile's keys.
+  template <int kR>
+  void attend_tile(int64_t row0, int64_t head, bool first_pass, const Keys& keys, std::vector<float>& scores) const {
+    const int64_t C = kChunks ? kChunks : dim / kLanes, D = C * kLanes, G = kGroup ? kGroup : heads / kv_heads;
+    const int64_t slot_width = kv_heads * D, lo = keys.lo, hi = keys.hi;
+    const int64_t width = (hi - lo + kLanes - 1) / kLanes * kLanes + kLanes;
+    scores.resize(kR * G * width);
+    auto row_scores = [&](int r, int64_t g) { return scores.data() + (r * G + g) * width; };
+    auto query_row = [&](int r, int64_t g) { return q + (row0 + r) * q_row_stride + (head * G + g) * D; };
+    f32x16 key[kC];
+
+    // Scores 16 keys at a time, each key loaded once for every row and query head of the tile.
+    for (int64_t block = lo; block < hi; block += kLanes) {
+      f32x16 partial[kR][kG][kLanes];
+      for (int64_t j = 0, count = std::min<int64_t>(kLanes, hi - block); j < count; ++j) {
+        const int64_t i = block - lo + j;
+        if (first_pass) {  // keys a group ahead, values for the second loop
+          if (i + kLanes < hi - lo) prefetch(k + keys.slots[i + kLanes], slot_width);
+          prefetch(v + keys.slots[i], slot_width);
+        }
+        const scalar_t* key_row = k + keys.slots[i] + head * D;
+        if constexpr (kPairs<scalar_t, kChunks>) {
 #if defined(__AVX512BF16__)
-              __m512bh key_pairs[kChunks / 2];
+          __m512bh key_pairs[kChunks / 2];
+          for (int c = 0; c < kChunks / 2; ++c) key_pairs[c] = (__m512bh)_mm512_loadu_si512(key_row + c * 2 * kLanes);
+          for (int r = 0; r < kR; ++r)
+            for (int64_t g = 0; g < G; ++g) {
+              const scalar_t* query = query_row(r, g);
+              __m512 sum = _mm512_setzero_ps();
               for (int c = 0; c < kChunks / 2; ++c)
-                key_pairs[c] = (__m512bh)_mm512_loadu_si512(key_row + c * 2 * kLanes);
-              for (int64_t g = 0; g < G; ++g) {
-                const scalar_t* query_row = q + row * q_row_stride + (head * G + g) * D;
-                __m512 sum = _mm512_setzero_ps();
-                for (int c = 0; c < kChunks / 2; ++c)
-                  sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(query_row + c * 2 * kLanes), key_pairs[c]);
-                partial[g][j] = (f32x16)sum;
-              }
-#endif
-            } else {
-              for (int64_t c = 0; c < C; ++c) key[c] = load16(key_row + c * kLanes);
-              for (int64_t g = 0; g < G; ++g) {
-                f32x16 sum = query[g][0] * key[0];
-                for (int64_t c = 1; c < C; ++c) sum += query[g][c] * key[c];
-                partial[g][j] = sum;
-              }
+                sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(query + c * 2 * kLanes), key_pairs[c]);
+              partial[r][g][j] = (f32x16)sum;
             }
-          }
-          for (int64_t g = 0; g < G; ++g) {
-            const f32x16 score = lane_sums16(partial[g]) * scale;
-            store16(scores.data() + g * padded + first, softcap > 0.0f ? capped(score) : score);
-          }
+#endif
+        } else {
+          for (int64_t c = 0; c < C; ++c) key[c] = load16(key_row + c * kLanes);
+          for (int r = 0; r < kR; ++r)
+            for (int64_t g = 0; g < G; ++g) {
+              const scalar_t* query = query_row(r, g);
+              f32x16 sum = load16(query) * key[0];
+              for (int64_t c = 1; c < C; ++c) sum += load16(query + c * kLanes) * key[c];
+              partial[r][g][j] = sum;
+            }
         }
-
-        float total[kG];
+      }
+      for (int r = 0; r < kR; ++r)
         for (int64_t g = 0; g < G; ++g) {
-          float* s = scores.data() + g * padded;
-          const float top = max_of(s, n);
-          f32x16 sum = {};
-          for (int64_t j = 0; j < padded; j += kLanes) {
-            f32x16 e = exp_nonpositive(load16(s + j) - top);
-            e = select(lane_index() + static_cast<int32_t>(j) < static_cast<int32_t>(n), e, f32x16{});  // padding: 0
-            store16(s + j, e);
-            sum += e;
-          }
-          total[g] = lane_sum(sum);
+          const f32x16 score = lane_sums16(partial[r][g]) * scale;
+          store16(row_scores(r, g) + (block - lo), softcap > 0.0f ? capped(score) : score);
         }
+    }
 
-        // Each output dim sums p * value over the keys in order, in float32: the same bits on either path.
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t c = 0; c < C; ++c) acc[g][c] = f32x16{};
-        for (int64_t position = 0; position < n; ++position) {
-          const scalar_t* value_row = v + slots[position] + head * D;
-          if constexpr (kPairs<scalar_t, kChunks>) {  // acc[g][2c] holds the even dims of chunk c, 2c + 1 the odd
-            for (int c = 0; c < kChunks / 2; ++c) load_pair(value_row + c * 2 * kLanes, key[2 * c], key[2 * c + 1]);
-          } else {
-            for (int64_t c = 0; c < C; ++c) key[c] = load16(value_row + c * kLanes);
-          }
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[g * padded + position];
-            for (int64_t c = 0; c < C; ++c) acc[g][c] += p * key[c];
-          }
+    // Each row's softmax over its own keys, in blocks of 16 from its first.
+    float total[kR][kG];
+    for (int r = 0; r < kR; ++r) {
+      const int64_t n = keys.last[r] - keys.first[r], padded = (n + kLanes - 1) / kLanes * kLanes;
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = row_scores(r, g) + (keys.first[r] - lo);
+        const float top = max_of(s, n);
+        f32x16 sum = {};
+        for (int64_t j = 0; j < padded; j += kLanes) {
+          f32x16 e = exp_nonpositive(load16(s + j) - top);
+          e = select(lane_index() + static_cast<int32_t>(j) < static_cast<int32_t>(n), e, f32x16{});  // padding: 0
+          store16(s + j, e);
+          sum += e;
         }
-        scalar_t* o = out + (row * heads + head * G) * D;
+        total[r][g] = lane_sum(sum);
+      }
+    }
+
+    // Each output dim sums p * value over the row's keys in order, in float32: the same bits on either path.
+    f32x16 acc[kR][kG][kC];
+    for (int r = 0; r < kR; ++r)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t c = 0; c < C; ++c) acc[r][g][c] = f32x16{};
+    for (int64_t position = lo; position < hi; ++position) {
+      const scalar_t* value_row = v + keys.slots[position - lo] + head * D;
+      if constexpr (kPairs<scalar_t, kChunks>) {  // acc[.][g][2c] holds the even dims of chunk c, 2c + 1 the odd
+        for (int c = 0; c < kChunks / 2; ++c) load_pair(value_row + c * 2 * kLanes, key[2 * c], key[2 * c + 1]);
+      } else {
+        for (int64_t c = 0; c < C; ++c) key[c] = load16(value_row + c * kLanes);
+      }
+      for (int r = 0; r < kR; ++r) {
+        if (position < keys.first[r] || position >= keys.last[r]) continue;
         for (int64_t g = 0; g < G; ++g) {
-          const float inv = 1.0f / total[g];
-          if constexpr (kPairs<scalar_t, kChunks>) {
-            for (int c = 0; c < kChunks / 2; ++c)
-              for (int h = 0; h < 2; ++h)
-                store16(o + g * D + (2 * c + h) * kLanes, interleave(acc[g][2 * c], acc[g][2 * c + 1], h) * inv);
-          } else {
-            for (int64_t c = 0; c < C; ++c) store16(o + g * D + c * kLanes, acc[g][c] * inv);
-          }
+          const float p = row_scores(r, g)[position - lo];
+          for (int64_t c = 0; c < C; ++c) acc[r][g][c] += p * key[c];
+        }
+      }
+    }
+    for (int r = 0; r < kR; ++r) {
+      scalar_t* o = out + ((row0 + r) * heads + head * G) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.0f / total[r][g];
+        if constexpr (kPairs<scalar_t, kChunks>) {
+          for (int c = 0; c < kChunks / 2; ++c)
+            for (int h = 0; h < 2; ++h)
+              store16(o + g * D + (2 * c + h) * kLanes, interleave(acc[r][g][2 * c], acc[r][g][2 * c + 1], h) * inv);
+        } else {
+          for (int64_t c = 0; c < C; ++c) store16(o + g * D + c * kLanes, acc[r][g][c] * inv);
         }
       }
     }
@@ -238,24 +281,32 @@ template <typename scalar_t, int kChunks, int kGroup = 0>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pages,
             const at::Tensor& row_span, const at::Tensor& row_keys, int64_t page_size, const Scores& scores,
             at::Tensor& out) {
-  const Attend<scalar_t, kChunks, kGroup> work{q.data_ptr<scalar_t>(),       k.data_ptr<scalar_t>(),
-                                       v.data_ptr<scalar_t>(),       pages.data_ptr<int32_t>(),
-                                       row_span.data_ptr<int32_t>(), row_keys.data_ptr<int32_t>(),
-                                       out.data_ptr<scalar_t>(),     q.stride(0),                  q.size(1),
-                                       k.size(1),                    q.size(2),
-                                       pages.size(1),                page_size,
-                                       scores.window,                scores.scale,
-                                       scores.softcap};
-  // Rows are the work items, unless there are fewer of them than threads (decoding one sequence on two cores)
-  // and they have keys enough to be worth sharing: then each (row, kv head) is one, so that the threads share a
-  // row's heads rather than one attending alone while the others wait (below kShareHeadsKeys, waking the other
-  // threads costs more than it saves).
+  // Row tiles: up to kTileRows consecutive rows of one span; a padding row (span -1) is a tile of its own.
   const int64_t rows = q.size(0);
-  const int32_t* keys = row_keys.data_ptr<int32_t>();
+  const int32_t *span_of = row_span.data_ptr<int32_t>(), *keys = row_keys.data_ptr<int32_t>();
+  std::vector<int64_t> tiles;
+  for (int64_t row = 0; row < rows; ++row)
+    if (tiles.empty() || row - tiles.back() == kTileRows || span_of[row] < 0 || span_of[row] != span_of[row - 1])
+      tiles.push_back(row);
+  const int64_t count = static_cast<int64_t>(tiles.size());
+  tiles.push_back(rows);
+  const Attend<scalar_t, kChunks, kGroup> work{q.data_ptr<scalar_t>(),   k.data_ptr<scalar_t>(),
+                                               v.data_ptr<scalar_t>(),   pages.data_ptr<int32_t>(),
+                                               span_of,                  keys,
+                                               out.data_ptr<scalar_t>(), q.stride(0),
+                                               q.size(1),                k.size(1),
+                                               q.size(2),                pages.size(1),
+                                               page_size,                scores.window,
+                                               scores.scale,             scores.softcap,
+                                               tiles.data()};
+  // Tiles are the work items, unless there are fewer of them than threads (decoding one sequence on two cores)
+  // and they have keys enough to be worth sharing: then each (tile, kv head) is one, so that the threads share a
+  // tile's heads rather than one attending alone while the others wait (below kShareHeadsKeys, waking the other
+  // threads costs more than it saves).
   const bool share_heads =
-      rows > 0 && rows < at::get_num_threads() && *std::max_element(keys, keys + rows) >= kShareHeadsKeys;
+      rows > 0 && count < at::get_num_threads() && *std::max_element(keys, keys + rows) >= kShareHeadsKeys;
   const int64_t parts = share_heads ? k.size(1) : 1;
-  at::parallel_for(0, rows * parts, 1, [&](int64_t begin, int64_t end) { work.run(begin, end, parts); });
+  at::parallel_for(0, count * parts, 1, [&](int64_t begin, int64_t end) { work.run(begin, end, parts); });
 }
 
 // attend with the query heads per kv head fixed at compile time for the common groups (bfloat16, and float32,
