@@ -169,9 +169,10 @@ class QuantBlocks:
             wide = any(p.float32_scales for p in parts)
             return [replace(p, zero=None, float32_scales=wide) for p in parts]
         group = min(p.group for p in parts)
-        return [p._as_bytes(group) for p in parts]
+        return [p.as_bytes(group) for p in parts]
 
-    def _as_bytes(self, group: int) -> QuantBlocks:
+    def as_bytes(self, group: int) -> QuantBlocks:
+        """The same weights as bytes with float32 scales and mins per ``group`` inputs (a divisor of this group)."""
         repeat = self.group // group
         scale, low = self.scale.repeat_interleave(repeat, -1), self.min.repeat_interleave(repeat, -1)
         mins = low if self.zero is None else -self.zero * scale

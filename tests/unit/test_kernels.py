@@ -358,11 +358,9 @@ def gated_and_plain(kernel: str, gate: torch.Tensor, up: torch.Tensor, bias: tor
     else:
         chunk = kernels.QUANT_GATE_CHUNK
 
-        def pack(weight):  # 4-bit blocks of the weights (QuantLinear's own quantization)
-            from fiberserve.model.linear import QuantLinear
-
-            linear = QuantLinear(weight, None, torch.bfloat16, 4)
-            return linear.weight, linear.scales, linear.mins
+        def pack(weight):  # 4-bit blocks of the weights, or Q8_0 ones as bytes with mins per 16 (Q6_K's format)
+            blocks = QuantBlocks.quantize(weight, 4 if kernel == "int4" else 8)
+            return kernels.quant_pack(blocks if kernel == "int4" else blocks.as_bytes(16))
 
         interleaved, plain = pack(kernels.interleave_gate_up(gate, up, chunk)), pack(torch.cat([gate, up]))
 
@@ -376,7 +374,7 @@ def gated_and_plain(kernel: str, gate: torch.Tensor, up: torch.Tensor, bias: tor
     )
 
 
-@pytest.mark.parametrize("kernel", ["bf16", "int4"])
+@pytest.mark.parametrize("kernel", ["bf16", "int4", "bytes per 16"])
 def test_a_gated_product_is_silu_mul_of_the_product_bit_for_bit(kernel):
     """SiLU x up in the product's epilogue (GateUp) gives the bits of the product rounded to its dtype and
     silu_mul after it, at every row count (1 to 13 and 40 rows: one row tile, several, split between threads)."""
