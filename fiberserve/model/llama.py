@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) over a paged KV cache.
+"""A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2/3, Gemma 2/3, Phi-3) over a paged KV cache.
 
 One :meth:`LlamaModel.forward` runs a *flat* batch: the new tokens of every
 sequence laid end to end (no padding rows), each with its position and the
@@ -23,7 +23,10 @@ design goal, and it shapes the code:
   of the extension's products too, the loop over the layers runs in C++
   (``kernels.decoder_layers``): one call per forward pass instead of 270,
   which matters most on a fiber's thread, where each call was a GIL handoff
-  with the event loop;
+  with the event loop.  Layers of other shapes (q/k norms, Gemma's extra norms,
+  sliding windows, soft-capping) run in PyTorch ops around the same attention
+  kernel (``_layers_generic``): PyTorch's CPU attention can give a row other
+  bits inside a longer span;
 * elsewhere (CUDA) the layer is PyTorch ops and ``scaled_dot_product_attention``
   over keys gathered into a buffer padded to a multiple of :data:`KEY_BUCKET`;
   decode rows are grouped by that padded length, so a row's reductions have
