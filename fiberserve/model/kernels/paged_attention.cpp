@@ -177,6 +177,14 @@ struct Attend {
     f32x16 key[kC];
 
     // Scores 16 keys at a time, each key loaded once for every row and query head of the tile.
+#if defined(__AVX512BF16__)
+    __m512bh query_pairs[kR][kG][kChunks > 0 ? kChunks / 2 : 1];  // kPairs: the tile's queries, held in registers
+    if constexpr (kPairs<scalar_t, kChunks>)
+      for (int r = 0; r < kR; ++r)
+        for (int64_t g = 0; g < G; ++g)
+          for (int c = 0; c < kChunks / 2; ++c)
+            query_pairs[r][g][c] = (__m512bh)_mm512_loadu_si512(query_row(r, g) + c * 2 * kLanes);
+#endif
     for (int64_t block = lo; block < hi; block += kLanes) {
       f32x16 partial[kR][kG][kLanes];
       for (int64_t j = 0, count = std::min<int64_t>(kLanes, hi - block); j < count; ++j) {
@@ -192,10 +200,8 @@ struct Attend {
           for (int c = 0; c < kChunks / 2; ++c) key_pairs[c] = (__m512bh)_mm512_loadu_si512(key_row + c * 2 * kLanes);
           for (int r = 0; r < kR; ++r)
             for (int64_t g = 0; g < G; ++g) {
-              const scalar_t* query = query_row(r, g);
               __m512 sum = _mm512_setzero_ps();
-              for (int c = 0; c < kChunks / 2; ++c)
-                sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(query + c * 2 * kLanes), key_pairs[c]);
+              for (int c = 0; c < kChunks / 2; ++c) sum = _mm512_dpbf16_ps(sum, query_pairs[r][g][c], key_pairs[c]);
               partial[r][g][j] = (f32x16)sum;
             }
 #endif
