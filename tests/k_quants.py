@@ -54,6 +54,6 @@ def _q6_k(supers: np.ndarray) -> np.ndarray:
     step = (d[..., None] * sc)[..., None]
     q = (np.clip(np.round(groups / np.where(step != 0, step, 1)), -32, 31) + 32).astype(np.uint8)
     q = q.reshape(*supers.shape[:2], 2, 4, 32)  # each 128 inputs: 4 runs of 32
-    ql = np.concatenate([(q[..., 0:2, :] & 15) | ((q[..., 2:4, :] & 15) << 4)], -2).reshape(*q.shape[:2], 2, 64)
-    qh = sum(((q[..., j, :] >> 4) & 3) << (2 * j) for j in range(4)).astype(np.uint8)
+    ql = (q[..., 0:2, :] & 15) | ((q[..., 2:4, :] & 15) << 4)  # runs 0, 1 in the low nibbles, 2, 3 in the high
+    qh = sum(((q[..., j, :] >> 4) & 3) << (2 * j) for j in range(4)).astype(np.uint8)  # run j's top bits at 2j
     return np.concatenate([ql.reshape(*q.shape[:2], 128), qh.reshape(*q.shape[:2], 64), sc.view(np.uint8), _f16(d)], -1)
