@@ -111,11 +111,11 @@ class ServerConfig:
     replicas: int = 0
     #: The Ray cluster to join (``auto``, or ``HOST:PORT`` of its head); None: start a local one.
     ray_address: str | None = None
-    #: Autoscaling on Ray Serve (with ``max_replicas`` set): between these many replicas, aiming at this many
-    #: requests in progress per replica; ``replicas`` is then where it starts.
     #: Route a request to the replica that served its prompt's prefix while load is balanced (Ray Serve's default
     #: power-of-two-choices router otherwise).
     prefix_routing: bool = True
+    #: Autoscaling on Ray Serve (with ``max_replicas`` set): between these many replicas, aiming at this many
+    #: requests in progress per replica; ``replicas`` is then where it starts.
     min_replicas: int = 1
     max_replicas: int | None = None
     target_ongoing_requests: float = 16.0
@@ -123,6 +123,14 @@ class ServerConfig:
     autoscale_delay_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if self.replicas < 0:
+            raise ValueError(f"--replicas must be >= 0, not {self.replicas}")
+        if self.min_replicas < 1:
+            raise ValueError(f"--min-replicas must be >= 1, not {self.min_replicas}")
+        if self.max_replicas is not None and self.max_replicas < self.min_replicas:
+            raise ValueError(f"--max-replicas ({self.max_replicas}) must be >= --min-replicas ({self.min_replicas})")
+        if self.target_ongoing_requests <= 0 or self.autoscale_delay_s <= 0:
+            raise ValueError("--target-ongoing-requests and --autoscale-delay-s must be positive")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             choices = ", ".join(TOOL_CALL_PARSERS)
             raise ValueError(f"tool_call_parser must be one of {choices}, not {self.tool_call_parser!r}")

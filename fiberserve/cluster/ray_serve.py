@@ -343,8 +343,8 @@ def build_application(config: ServerConfig) -> Any:
         scaling = {
             "num_replicas": "auto",
             "autoscaling_config": AutoscalingConfig(
-                min_replicas=config.min_replicas or 1,
-                initial_replicas=max(config.min_replicas or 1, min(config.replicas, config.max_replicas)),
+                min_replicas=config.min_replicas,
+                initial_replicas=max(config.min_replicas, min(config.replicas, config.max_replicas)),
                 max_replicas=config.max_replicas,
                 target_ongoing_requests=config.target_ongoing_requests,
                 upscale_delay_s=config.autoscale_delay_s,

@@ -91,9 +91,7 @@ class GgufFile:
         try:
             values = struct.unpack_from(fmt, self._buffer, self._offset)
         except struct.error:
-            raise ValueError(
-                f"truncated: its metadata runs past the end of the file ({len(self.data)} bytes)"
-            ) from None
+            raise self._truncated() from None
         self._offset += struct.calcsize(fmt)
         return values
 

@@ -353,7 +353,7 @@ class LlamaModel:
         head_bits = 8 if quantization != "none" and quant_kernel_available() else 4  # llama.cpp's Q8_0 output head
         head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
         file_blocks = w.blocks(head_name) if quantization == "int4" else None
-        if file_blocks is not None and (file_blocks.bits == 4 or head_bits == 8):  # the file's own head
+        if file_blocks is not None:  # the file's own head (QuantLinear requantizes bytes where no kernel takes them)
             self.logits = make_linear(file_blocks.map_rows(lambda t: t.to(self.device)), None, quantization, dtype)
         else:
             self.logits = make_linear(w[head_name].to(self.device), None, quantization, dtype, head_bits)
