@@ -125,8 +125,9 @@ class QuantLinear:
         bits: int = 4,
     ) -> None:
         """``weight``: blocks, or a float matrix [out, in] (best float32) quantized to ``bits`` (Q4_1 or Q8_0
-        blocks); ``dtype``: the activations' dtype (default: a float weight's, else bfloat16).  8-bit blocks need
-        the extension's kernel (:func:`quant_kernel_available`)."""
+        blocks); ``dtype``: the activations' dtype (default: a float weight's, else bfloat16).  Without the
+        extension's kernel (:func:`quant_kernel_available`) 8-bit blocks are requantized to 4 bits, and a float
+        weight cannot be asked for in 8."""
         blocks = weight if isinstance(weight, QuantBlocks) else QuantBlocks.quantize(weight, bits)
         dtype = dtype or (weight.dtype if isinstance(weight, torch.Tensor) else torch.bfloat16)
         self.out_features, self.in_features = n, _ = blocks.shape
