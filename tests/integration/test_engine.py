@@ -479,6 +479,6 @@ async def test_speculative_decoding_gives_the_tokens_text_logprobs_and_events_of
     for seq_events, completion in zip(events, outputs, strict=True):
         assert len(seq_events) == len(completion[0][0])
         assert "".join(e.delta for e in seq_events) == completion[0][1]
-    assert accepted > 60 and drafted_flights < plain_flights - 60, (accepted, drafted_flights, plain_flights)
+    assert accepted > 60 and drafted_flights < 0.7 * plain_flights, (accepted, drafted_flights, plain_flights)
     _, _, sampled_only = await _serve_cases(engine, cases[-1:], decode_steps=1, speculative_tokens=4)
     assert sampled_only.speculation.accepted_tokens > 10  # the sampled repeating text drafted, and its drafts were kept

@@ -16,10 +16,10 @@
 // order) whatever rows share its tile (see Attend), so a row computes the same bits alone, inside any batch, as a
 // decode token or inside a prefill chunk of any length.
 //
-// bfloat16 with head_dim 64 or 128 on AVX512-BF16 (kPairs): the dot products run on vdpbf16ps, two exact
-// bf16 products per lane and instruction, with no widening of q or k; the values are widened two dims per
-// lane (shift and mask).  From memory the scattered pages' reads bound it either way.  Scores differ from the
-// float32 path in the last bits (another grouping of the sums), the values' sums not at all.
+// bfloat16 with head_dim 64 or 128 on AVX512-BF16 (kPairs): both products run on vdpbf16ps, two exact bf16
+// products per lane and instruction.  Scores take q and k as they are; the weighted sums take the probabilities
+// rounded to bfloat16 (as flash attention does on GPUs) against two keys' values interleaved dim by dim, and
+// divide by the sum of the rounded probabilities.  Results differ from the float32 path in the last bits.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -54,8 +54,8 @@ inline void prefetch(const scalar_t* first, int64_t count) {
 }
 
 // bfloat16 rows on CPUs with AVX512-BF16, head_dim a multiple of 32: scores by vdpbf16ps straight from the
-// bf16 query and key (16 lanes x 2 products per instruction, no widening), and values widened two halves at a
-// time (a lane holds dims 2i and 2i+1: shift for the even one, mask for the odd one).
+// bf16 query and key (16 lanes x 2 products per instruction, no widening), weighted sums by vdpbf16ps over pairs
+// of keys (see weighted_pairs).
 template <typename scalar_t, int kChunks>
 constexpr bool kPairs =
 #if defined(__AVX512BF16__)
@@ -66,23 +66,10 @@ constexpr bool kPairs =
 
 typedef uint32_t u32x16v __attribute__((vector_size(64)));
 
-inline void load_pair(const c10::BFloat16* p, f32x16& even, f32x16& odd) {  // dims 2i -> even[i], 2i+1 -> odd[i]
-  u32x16v bits;
-  std::memcpy(&bits, p, sizeof bits);
-  const u32x16v lo = bits << 16, hi = bits & 0xFFFF0000u;
-  std::memcpy(&even, &lo, sizeof even);
-  std::memcpy(&odd, &hi, sizeof odd);
-}
-
-// Dims 16h..16h+15 of a 32-dim chunk from its even and odd halves (used with AVX512-BF16 only).
-inline f32x16 interleave(f32x16 even, f32x16 odd, int h) {
-#if defined(__AVX512F__)
-  return h == 0 ? __builtin_shufflevector(even, odd, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23)
-                : __builtin_shufflevector(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-#else
-  const f32x8 e = h == 0 ? even.lo : even.hi, o = h == 0 ? odd.lo : odd.hi;
-  return {__builtin_shufflevector(e, o, 0, 8, 1, 9, 2, 10, 3, 11), __builtin_shufflevector(e, o, 4, 12, 5, 13, 6, 14, 7, 15)};
-#endif
+// v rounded to the nearest bfloat16, to nearest even (finite non-negative v: softmax numerators), as float32.
+inline f32x16 round_to_bf16(f32x16 v) {
+  const u32x16v bits = (u32x16v)v;
+  return (f32x16)((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);
 }
 
 // The work of row tiles: up to kTileRows consecutive rows of one span (a prefill chunk's; a decode row is a tile of
@@ -93,8 +80,8 @@ inline f32x16 interleave(f32x16 even, f32x16 odd, int h) {
 //
 // A row's arithmetic does not depend on its tile: each score is its own 16 partial sums reduced by lane_sums16
 // (whose every output is its own lanes', in lane_sum's order), the softmax runs over the row's own keys in blocks of
-// 16 from its first, and the weighted sum adds the row's own keys in order; so a row computes the same bits alone,
-// inside any batch, as a decode token or inside a prefill chunk of any length.
+// 16 from its first, and the weighted sum adds the row's own keys (kPairs: pairs of keys) in order; so a row
+// computes the same bits alone, inside any batch, as a decode token or inside a prefill chunk of any length.
 constexpr int kTileRows = 2;  // with G x head_dim / 16 sums per row in registers, 2 rows fill them
 
 template <typename scalar_t, int kChunks, int kGroup = 0>
@@ -108,11 +95,12 @@ struct Attend {
 
   static constexpr int kG = kGroup ? kGroup : kMaxGroup, kC = kChunks ? kChunks : kMaxChunks;  // array sizes
 
-  // The keys of a tile: slots[i] is where key lo + i starts in k and v (slot * kv_heads * D); row r sees keys
-  // first[r] .. last[r] - 1.
+  // The keys of a tile: row r sees keys first[r] .. last[r] - 1, the tile begin .. hi - 1; scores are formed from
+  // lo (begin rounded down to a block of 16) and slots[i] is where key lo + i starts in k and v (slot * kv_heads *
+  // D; keys before begin read key begin's, whose scores no row uses).
   struct Keys {
     std::vector<int64_t> slots;
-    int64_t first[kTileRows], last[kTileRows], lo, hi;
+    int64_t first[kTileRows], last[kTileRows], begin, lo, hi;
   };
 
   // softcap * tanh(s / softcap), tanh from exp of a non-positive argument (sign restored).
@@ -143,17 +131,18 @@ struct Attend {
         continue;
       }
       if (new_tile) {
-        keys.lo = std::numeric_limits<int64_t>::max(), keys.hi = 0;
+        keys.begin = std::numeric_limits<int64_t>::max(), keys.hi = 0;
         for (int64_t r = 0; r < R; ++r) {
           keys.last[r] = keys_of[row0 + r];
           keys.first[r] = window > 0 ? std::max<int64_t>(0, keys.last[r] - window) : 0;
-          keys.lo = std::min(keys.lo, keys.first[r]), keys.hi = std::max(keys.hi, keys.last[r]);
+          keys.begin = std::min(keys.begin, keys.first[r]), keys.hi = std::max(keys.hi, keys.last[r]);
         }
+        keys.lo = keys.begin / kLanes * kLanes;
         const int32_t* table = pages + span * max_pages;
         keys.slots.resize(keys.hi - keys.lo);
-        for (int64_t i = 0, page_index = keys.lo / page_size, offset = keys.lo % page_size; i < keys.hi - keys.lo; ++i) {
+        for (int64_t i = 0, page_index = keys.begin / page_size, offset = keys.begin % page_size; i < keys.hi - keys.lo; ++i) {
           keys.slots[i] = (static_cast<int64_t>(table[page_index]) * page_size + offset) * slot_width;
-          if (++offset == page_size) ++page_index, offset = 0;
+          if (keys.lo + i >= keys.begin && ++offset == page_size) ++page_index, offset = 0;
         }
         for (int64_t i = 0; i < std::min<int64_t>(kLanes, keys.hi - keys.lo); ++i) prefetch(k + keys.slots[i], slot_width);
       }
@@ -223,7 +212,8 @@ struct Attend {
         }
     }
 
-    // Each row's softmax over its own keys, in blocks of 16 from its first.
+    // Each row's softmax over its own keys, in blocks of 16 from its first.  kPairs: the numerators rounded to
+    // bfloat16 (the weighted sums' operands) and summed so, so that the weights sum to one.
     float total[kR][kG];
     for (int r = 0; r < kR; ++r) {
       const int64_t n = keys.last[r] - keys.first[r], padded = (n + kLanes - 1) / kLanes * kLanes;
@@ -233,6 +223,7 @@ struct Attend {
         f32x16 sum = {};
         for (int64_t j = 0; j < padded; j += kLanes) {
           f32x16 e = exp_nonpositive(load16(s + j) - top);
+          if constexpr (kPairs<scalar_t, kChunks>) e = round_to_bf16(e);
           e = select(lane_index() + static_cast<int32_t>(j) < static_cast<int32_t>(n), e, f32x16{});  // padding: 0
           store16(s + j, e);
           sum += e;
@@ -240,19 +231,19 @@ struct Attend {
         total[r][g] = lane_sum(sum);
       }
     }
+    if constexpr (kPairs<scalar_t, kChunks>) {
+      weighted_pairs<kR>(row0, head, keys, scores.data(), width, total);
+      return;
+    }
 
-    // Each output dim sums p * value over the row's keys in order, in float32: the same bits on either path.
+    // Each output dim sums p * value over the row's keys in order, in float32.
     f32x16 acc[kR][kG][kC];
     for (int r = 0; r < kR; ++r)
       for (int64_t g = 0; g < G; ++g)
         for (int64_t c = 0; c < C; ++c) acc[r][g][c] = f32x16{};
-    for (int64_t position = lo; position < hi; ++position) {
+    for (int64_t position = keys.begin; position < hi; ++position) {
       const scalar_t* value_row = v + keys.slots[position - lo] + head * D;
-      if constexpr (kPairs<scalar_t, kChunks>) {  // acc[.][g][2c] holds the even dims of chunk c, 2c + 1 the odd
-        for (int c = 0; c < kChunks / 2; ++c) load_pair(value_row + c * 2 * kLanes, key[2 * c], key[2 * c + 1]);
-      } else {
-        for (int64_t c = 0; c < C; ++c) key[c] = load16(value_row + c * kLanes);
-      }
+      for (int64_t c = 0; c < C; ++c) key[c] = load16(value_row + c * kLanes);
       for (int r = 0; r < kR; ++r) {
         if (position < keys.first[r] || position >= keys.last[r]) continue;
         for (int64_t g = 0; g < G; ++g) {
@@ -265,15 +256,71 @@ struct Attend {
       scalar_t* o = out + ((row0 + r) * heads + head * G) * D;
       for (int64_t g = 0; g < G; ++g) {
         const float inv = 1.0f / total[r][g];
-        if constexpr (kPairs<scalar_t, kChunks>) {
-          for (int c = 0; c < kChunks / 2; ++c)
-            for (int h = 0; h < 2; ++h)
-              store16(o + g * D + (2 * c + h) * kLanes, interleave(acc[r][g][2 * c], acc[r][g][2 * c + 1], h) * inv);
-        } else {
-          for (int64_t c = 0; c < C; ++c) store16(o + g * D + c * kLanes, acc[r][g][c] * inv);
+        for (int64_t c = 0; c < C; ++c) store16(o + g * D + c * kLanes, acc[r][g][c] * inv);
+      }
+    }
+  }
+
+  // kPairs weighted sums: keys in pairs from even positions, a pair's two bfloat16 probabilities against its two
+  // values interleaved dim by dim, one vdpbf16ps per 16 dims; each row sums its own pairs in order, from the pair
+  // holding its first key (probabilities outside the row's keys are zero), so its bits do not depend on its tile.
+  template <int kR>
+  void weighted_pairs(int64_t row0, int64_t head, const Keys& keys, float* scores, int64_t width,
+                      const float (&total)[kR][kG]) const {
+#if defined(__AVX512BF16__)
+    constexpr int kHalves = kChunks / 2;  // 32 dims per 512-bit load of a value row
+    const int64_t G = kGroup ? kGroup : heads / kv_heads, D = kChunks * kLanes, lo = keys.lo, hi = keys.hi;
+    int64_t pair_first[kR];
+    for (int r = 0; r < kR; ++r) {
+      pair_first[r] = keys.first[r] / 2 * 2;
+      for (int64_t g = 0; g < G; ++g) {  // the other key of the row's first and last pairs weighs nothing
+        float* s = scores + (r * G + g) * width;
+        if (pair_first[r] < keys.first[r]) s[pair_first[r] - lo] = 0.0f;
+        if (keys.last[r] < hi) s[keys.last[r] - lo] = 0.0f;
+      }
+    }
+    __m512 acc[kR][kG][2 * kHalves];
+    for (int r = 0; r < kR; ++r)
+      for (int64_t g = 0; g < G; ++g)
+        for (int c = 0; c < 2 * kHalves; ++c) acc[r][g][c] = _mm512_setzero_ps();
+    for (int64_t position = keys.begin / 2 * 2; position < hi; position += 2) {
+      // values[2c] lane (l, i) (128-bit lane l) holds dim 32c + 8l + i of both keys, values[2c + 1] dim
+      // 32c + 8l + 4 + i
+      __m512bh values[2 * kHalves];
+      const scalar_t* first_row = v + keys.slots[std::max(position, keys.begin) - lo] + head * D;
+      for (int c = 0; c < kHalves; ++c) {
+        const __m512i a = position >= keys.begin ? _mm512_loadu_si512(first_row + 32 * c) : _mm512_setzero_si512();
+        const __m512i b = position + 1 < hi ? _mm512_loadu_si512(v + keys.slots[position + 1 - lo] + head * D + 32 * c)
+                                            : _mm512_setzero_si512();
+        values[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        values[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      }
+      for (int r = 0; r < kR; ++r) {
+        if (position < pair_first[r] || position >= keys.last[r]) continue;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* p = scores + (r * G + g) * width + (position - lo);
+          uint32_t even, odd;
+          std::memcpy(&even, p, 4), std::memcpy(&odd, p + 1, 4);
+          const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>((even >> 16) | (odd & 0xFFFF0000u)));
+          for (int c = 0; c < 2 * kHalves; ++c) acc[r][g][c] = _mm512_dpbf16_ps(acc[r][g][c], weights, values[c]);
         }
       }
     }
+    for (int r = 0; r < kR; ++r) {
+      scalar_t* o = out + ((row0 + r) * heads + head * G) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.0f / total[r][g];
+        for (int c = 0; c < kHalves; ++c) {
+          const f32x16 low = (f32x16)acc[r][g][2 * c], high = (f32x16)acc[r][g][2 * c + 1];  // back in dim order
+          const f32x16 first = __builtin_shufflevector(low, high, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+          const f32x16 second = __builtin_shufflevector(low, high, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
+                                                        30, 31);
+          store16(o + g * D + 32 * c, first * inv);
+          store16(o + g * D + 32 * c + 16, second * inv);
+        }
+      }
+    }
+#endif
   }
 };
 
@@ -312,7 +359,24 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const bool share_heads =
       rows > 0 && count < at::get_num_threads() && *std::max_element(keys, keys + rows) >= kShareHeadsKeys;
   const int64_t parts = share_heads ? k.size(1) : 1;
-  at::parallel_for(0, count * parts, 1, [&](int64_t begin, int64_t end) { work.run(begin, end, parts); });
+  // Each thread takes a contiguous run of units of about equal cost (keys x rows): a causal chunk's last rows see
+  // the most keys, so equal counts of units would leave one thread working while the other waits.
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count * parts);
+  std::vector<int64_t> cost(count * parts + 1);
+  for (int64_t unit = 0; unit < count * parts; ++unit) {
+    int64_t keys_seen = kLanes;  // a unit's fixed cost, padding tiles' too
+    for (int64_t row = tiles[unit / parts]; row < tiles[unit / parts + 1]; ++row)
+      if (span_of[row] >= 0) keys_seen += scores.window > 0 ? std::min<int64_t>(keys[row], scores.window) : keys[row];
+    cost[unit + 1] = cost[unit] + keys_seen;
+  }
+  std::vector<int64_t> bounds(threads + 1, count * parts);
+  for (int64_t t = 0, unit = 0; t < threads; ++t) {
+    while (unit < count * parts && cost[unit] * threads < cost.back() * t) ++unit;
+    bounds[t] = unit;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) work.run(bounds[t], bounds[t + 1], parts);
+  });
 }
 
 // attend with the query heads per kv head fixed at compile time for the common groups (bfloat16, and float32,
