@@ -17,7 +17,9 @@
 // decode token or inside a prefill chunk of any length.
 //
 // bfloat16 with head_dim 64 or 128 on AVX512-BF16 (kPairs): both products run on vdpbf16ps, two exact bf16
-// products per lane and instruction.  Scores take q and k as they are; the weighted sums take the probabilities
+// products per lane and instruction.  Scores take q and k as they are, keys transposed in blocks of 16 so that a
+// score is one lane's sum over the dim pairs in order (a span's keys are transposed once per call where it has
+// several tiles, a prefill chunk's; a decode row's tile transposes its own); the weighted sums take the probabilities
 // rounded to bfloat16 (as flash attention does on GPUs) against two keys' values interleaved dim by dim, and
 // divide by the sum of the rounded probabilities.  Results differ from the float32 path in the last bits.
 
@@ -72,6 +74,55 @@ inline f32x16 round_to_bf16(f32x16 v) {
   return (f32x16)((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);
 }
 
+#if defined(__AVX512BF16__)
+// Keys as the bf16 score products read them: a block of 16 keys of one kv head as head_dim / 2 vectors, vector p
+// lane j holding key j's dims 2p and 2p + 1.  One vdpbf16ps then adds a dim pair's products to 16 keys' scores at
+// once, and each score is its own lane's chain over the pairs in order: no sums across lanes.
+
+// Transposes a 16 x 16 matrix of 32-bit elements held in 16 registers (row i becomes column i).
+inline void transpose16(__m512i (&r)[kLanes]) {
+  __m512i t[kLanes];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: 2 x 2 blocks of rows 2i, 2i + 1
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: r[4i + c] holds column 4 lane + c of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // gather the 128-bit lanes: column 4 lane + c from r[c], r[4 + c], r[8 + c], r[12 + c]
+    const __m512i a0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), a1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i b0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512i b1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(a0, b0, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(a0, b0, 0xDD);
+    t[8 + c] = _mm512_shuffle_i32x4(a1, b1, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(a1, b1, 0xDD);
+  }
+  for (int i = 0; i < kLanes; ++i) r[i] = t[i];
+}
+
+// Writes the block of keys rows[0..15] (a key's head row; nullptr: no key, zeros) as `pairs` vectors to out.
+inline void transpose_keys(const c10::BFloat16* const (&rows)[kLanes], int64_t pairs, uint32_t* out) {
+  for (int64_t column = 0; column < pairs; column += kLanes) {
+    __m512i r[kLanes];
+    for (int j = 0; j < kLanes; ++j) r[j] = rows[j] ? _mm512_loadu_si512(rows[j] + 2 * column) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int j = 0; j < kLanes; ++j) _mm512_storeu_si512(out + (column + j) * kLanes, r[j]);
+  }
+}
+#endif
+
+// A span's keys transposed once for all of its tiles (a prefill chunk's rows), block b of kv head h at
+// data + ((h * blocks) + b - first_block) * head_dim / 2 * 16; data null: the tiles transpose their own.
+struct TransposedKeys {
+  const uint32_t* data = nullptr;
+  int64_t first_block = 0, blocks = 0;
+};
+constexpr int64_t kTransposeOnceTiles = 4;  // fewest tiles of a span for which its keys are transposed once
+
 // The work of row tiles: up to kTileRows consecutive rows of one span (a prefill chunk's; a decode row is a tile of
 // its own), for each kv head the G query heads sharing it against the rows' keys, read in place through the page
 // table.  Each key and value is loaded once for the tile's rows, not once per row: a long prefill's rows read the
@@ -79,9 +130,10 @@ inline f32x16 round_to_bf16(f32x16 v) {
 // head_dim / 16 and kGroup = G when fixed at compile time, else 0.
 //
 // A row's arithmetic does not depend on its tile: each score is its own 16 partial sums reduced by lane_sums16
-// (whose every output is its own lanes', in lane_sum's order), the softmax runs over the row's own keys in blocks of
-// 16 from its first, and the weighted sum adds the row's own keys (kPairs: pairs of keys) in order; so a row
-// computes the same bits alone, inside any batch, as a decode token or inside a prefill chunk of any length.
+// (whose every output is its own lanes', in lane_sum's order; kPairs: one lane's sum over the dim pairs in order),
+// the softmax runs over the row's own keys in blocks of 16 from its first, and the weighted sum adds the row's own
+// keys (kPairs: pairs of keys) in order; so a row computes the same bits alone, inside any batch, as a decode token
+// or inside a prefill chunk of any length.
 constexpr int kTileRows = 2;  // with G x head_dim / 16 sums per row in registers, 2 rows fill them
 
 template <typename scalar_t, int kChunks, int kGroup = 0>
@@ -92,6 +144,7 @@ struct Attend {
   int64_t q_row_stride, heads, kv_heads, dim, max_pages, page_size, window;
   float scale, softcap;
   const int64_t* tiles;  // tile t is rows tiles[t] .. tiles[t + 1] - 1
+  const TransposedKeys* transposed;  // per span (kPairs only)
 
   static constexpr int kG = kGroup ? kGroup : kMaxGroup, kC = kChunks ? kChunks : kMaxChunks;  // array sizes
 
@@ -101,6 +154,7 @@ struct Attend {
   struct Keys {
     std::vector<int64_t> slots;
     int64_t first[kTileRows], last[kTileRows], begin, lo, hi;
+    int32_t span;
   };
 
   // softcap * tanh(s / softcap), tanh from exp of a non-positive argument (sign restored).
@@ -131,7 +185,7 @@ struct Attend {
         continue;
       }
       if (new_tile) {
-        keys.begin = std::numeric_limits<int64_t>::max(), keys.hi = 0;
+        keys.begin = std::numeric_limits<int64_t>::max(), keys.hi = 0, keys.span = span;
         for (int64_t r = 0; r < R; ++r) {
           keys.last[r] = keys_of[row0 + r];
           keys.first[r] = window > 0 ? std::max<int64_t>(0, keys.last[r] - window) : 0;
@@ -166,35 +220,18 @@ struct Attend {
     f32x16 key[kC];
 
     // Scores 16 keys at a time, each key loaded once for every row and query head of the tile.
-#if defined(__AVX512BF16__)
-    __m512bh query_pairs[kR][kG][kChunks > 0 ? kChunks / 2 : 1];  // kPairs: the tile's queries, held in registers
-    if constexpr (kPairs<scalar_t, kChunks>)
-      for (int r = 0; r < kR; ++r)
-        for (int64_t g = 0; g < G; ++g)
-          for (int c = 0; c < kChunks / 2; ++c)
-            query_pairs[r][g][c] = (__m512bh)_mm512_loadu_si512(query_row(r, g) + c * 2 * kLanes);
-#endif
-    for (int64_t block = lo; block < hi; block += kLanes) {
-      f32x16 partial[kR][kG][kLanes];
-      for (int64_t j = 0, count = std::min<int64_t>(kLanes, hi - block); j < count; ++j) {
-        const int64_t i = block - lo + j;
-        if (first_pass) {  // keys a group ahead, values for the second loop
-          if (i + kLanes < hi - lo) prefetch(k + keys.slots[i + kLanes], slot_width);
-          prefetch(v + keys.slots[i], slot_width);
-        }
-        const scalar_t* key_row = k + keys.slots[i] + head * D;
-        if constexpr (kPairs<scalar_t, kChunks>) {
-#if defined(__AVX512BF16__)
-          __m512bh key_pairs[kChunks / 2];
-          for (int c = 0; c < kChunks / 2; ++c) key_pairs[c] = (__m512bh)_mm512_loadu_si512(key_row + c * 2 * kLanes);
-          for (int r = 0; r < kR; ++r)
-            for (int64_t g = 0; g < G; ++g) {
-              __m512 sum = _mm512_setzero_ps();
-              for (int c = 0; c < kChunks / 2; ++c) sum = _mm512_dpbf16_ps(sum, query_pairs[r][g][c], key_pairs[c]);
-              partial[r][g][j] = (f32x16)sum;
-            }
-#endif
-        } else {
+    if constexpr (kPairs<scalar_t, kChunks>) {
+      pair_scores<kR>(row0, head, first_pass, keys, scores.data(), width);
+    } else {
+      for (int64_t block = lo; block < hi; block += kLanes) {
+        f32x16 partial[kR][kG][kLanes];
+        for (int64_t j = 0, count = std::min<int64_t>(kLanes, hi - block); j < count; ++j) {
+          const int64_t i = block - lo + j;
+          if (first_pass) {  // keys a group ahead, values for the second loop
+            if (i + kLanes < hi - lo) prefetch(k + keys.slots[i + kLanes], slot_width);
+            prefetch(v + keys.slots[i], slot_width);
+          }
+          const scalar_t* key_row = k + keys.slots[i] + head * D;
           for (int64_t c = 0; c < C; ++c) key[c] = load16(key_row + c * kLanes);
           for (int r = 0; r < kR; ++r)
             for (int64_t g = 0; g < G; ++g) {
@@ -204,12 +241,12 @@ struct Attend {
               partial[r][g][j] = sum;
             }
         }
+        for (int r = 0; r < kR; ++r)
+          for (int64_t g = 0; g < G; ++g) {
+            const f32x16 score = lane_sums16(partial[r][g]) * scale;
+            store16(row_scores(r, g) + (block - lo), softcap > 0.0f ? capped(score) : score);
+          }
       }
-      for (int r = 0; r < kR; ++r)
-        for (int64_t g = 0; g < G; ++g) {
-          const f32x16 score = lane_sums16(partial[r][g]) * scale;
-          store16(row_scores(r, g) + (block - lo), softcap > 0.0f ? capped(score) : score);
-        }
     }
 
     // Each row's softmax over its own keys, in blocks of 16 from its first.  kPairs: the numerators rounded to
@@ -312,7 +349,8 @@ struct Attend {
         const float inv = 1.0f / total[r][g];
         for (int c = 0; c < kHalves; ++c) {
           const f32x16 low = (f32x16)acc[r][g][2 * c], high = (f32x16)acc[r][g][2 * c + 1];  // back in dim order
-          const f32x16 first = __builtin_shufflevector(low, high, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+          const f32x16 first = __builtin_shufflevector(low, high, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22,
+                                                       23);
           const f32x16 second = __builtin_shufflevector(low, high, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
                                                         30, 31);
           store16(o + g * D + 32 * c, first * inv);
@@ -322,6 +360,84 @@ struct Attend {
     }
 #endif
   }
+
+  // kPairs scores of a tile: blocks of 16 keys transposed (the span's shared copy, else here), kBlocks at a time so
+  // that the tile's kBlocks x kR x G sums are independent chains enough to hide vdpbf16ps's latency.  scores as in
+  // attend_tile.
+  template <int kR>
+  void pair_scores(int64_t row0, int64_t head, bool first_pass, const Keys& keys, float* scores, int64_t width) const {
+#if defined(__AVX512BF16__)
+    constexpr int64_t D = kChunks * kLanes, kPairCount = D / 2;
+    const int64_t G = kGroup ? kGroup : heads / kv_heads, slot_width = kv_heads * D, lo = keys.lo, hi = keys.hi;
+    const TransposedKeys& shared = transposed[keys.span];
+    alignas(64) __m512i query[kR * kG * kPairCount];  // [r][g][pair]: each query pair in every lane
+    float* row_scores[kR][kG];
+    for (int r = 0; r < kR; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        const auto* pairs = reinterpret_cast<const int32_t*>(q + (row0 + r) * q_row_stride + (head * G + g) * D);
+        for (int64_t p = 0; p < kPairCount; ++p) query[(r * G + g) * kPairCount + p] = _mm512_set1_epi32(pairs[p]);
+        row_scores[r][g] = scores + (r * G + g) * width;
+      }
+    constexpr int kBlocks = 4 / kR;
+    alignas(64) uint32_t local[kBlocks][kPairCount * kLanes];
+    for (int64_t block = lo; block < hi; block += kBlocks * kLanes) {
+      const uint32_t* blocks[kBlocks];
+      const int count = static_cast<int>(std::min<int64_t>(kBlocks, (hi - block + kLanes - 1) / kLanes));
+      for (int b = 0; b < count; ++b) {
+        const int64_t start = block + b * kLanes, end = std::min(start + kLanes, hi);
+        if (first_pass)  // values for the weighted sums, and keys two blocks ahead where they are read here
+          for (int64_t i = start - lo; i < end - lo; ++i) {
+            if (!shared.data && i + kBlocks * kLanes < hi - lo)
+              prefetch(k + keys.slots[i + kBlocks * kLanes], slot_width);
+            prefetch(v + keys.slots[i], slot_width);
+          }
+        if (shared.data) {
+          blocks[b] = shared.data + (head * shared.blocks + start / kLanes - shared.first_block) * kPairCount * kLanes;
+        } else {
+          const c10::BFloat16* rows[kLanes];
+          for (int64_t j = 0; j < kLanes; ++j)
+            rows[j] = start + j < hi ? k + keys.slots[start + j - lo] + head * D : nullptr;
+          transpose_keys(rows, kPairCount, local[b]);
+          blocks[b] = local[b];
+        }
+      }
+      switch (count) {
+        case 4: if constexpr (kBlocks >= 4) block_scores<kR, 4>(query, blocks, G, row_scores, block - lo); break;
+        case 3: if constexpr (kBlocks >= 3) block_scores<kR, 3>(query, blocks, G, row_scores, block - lo); break;
+        case 2: block_scores<kR, 2>(query, blocks, G, row_scores, block - lo); break;
+        default: block_scores<kR, 1>(query, blocks, G, row_scores, block - lo);
+      }
+    }
+#endif
+  }
+
+#if defined(__AVX512BF16__)
+  // Scores of kB transposed blocks of keys for the tile's rows and query heads, stored at row_scores[r][g] + offset.
+  template <int kR, int kB>
+  void block_scores(const __m512i* query, const uint32_t* const* blocks, int64_t G,
+                    float* const (&row_scores)[kR][kG], int64_t offset) const {
+    constexpr int64_t kPairCount = kChunks * kLanes / 2;
+    __m512 sums[kB][kR][kG];
+    for (int b = 0; b < kB; ++b)
+      for (int r = 0; r < kR; ++r)
+        for (int64_t g = 0; g < G; ++g) sums[b][r][g] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < kPairCount; ++p) {
+      __m512bh key_pairs[kB];
+      for (int b = 0; b < kB; ++b) key_pairs[b] = (__m512bh)_mm512_loadu_si512(blocks[b] + p * kLanes);
+      for (int r = 0; r < kR; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+          const __m512bh query_pair = (__m512bh)query[(r * G + g) * kPairCount + p];
+          for (int b = 0; b < kB; ++b) sums[b][r][g] = _mm512_dpbf16_ps(sums[b][r][g], key_pairs[b], query_pair);
+        }
+    }
+    for (int b = 0; b < kB; ++b)
+      for (int r = 0; r < kR; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+          const f32x16 score = (f32x16)sums[b][r][g] * scale;
+          store16(row_scores[r][g] + offset + b * kLanes, softcap > 0.0f ? capped(score) : score);
+        }
+  }
+#endif
 };
 
 // How a row's scores are formed: scaled, capped (softcap > 0), over the last `window` keys (window > 0).
@@ -329,6 +445,70 @@ struct Scores {
   float scale, softcap;
   int64_t window;
 };
+
+// The shared transposed keys of every span with kTransposeOnceTiles tiles or more (kPairs only; otherwise all
+// empty): the blocks of 16 keys from its rows' first key to their last, in a buffer of the calling thread's.
+template <typename scalar_t, int kChunks>
+std::vector<TransposedKeys> transpose_spans(const at::Tensor& k, const at::Tensor& pages, const at::Tensor& row_span,
+                                            const at::Tensor& row_keys, int64_t page_size, int64_t window,
+                                            const std::vector<int64_t>& tiles) {
+  std::vector<TransposedKeys> spans(pages.size(0));
+#if defined(__AVX512BF16__)
+  if constexpr (kPairs<scalar_t, kChunks>) {
+    constexpr int64_t D = kChunks * kLanes, kBlockSize = D / 2 * kLanes;
+    const int32_t *span_of = row_span.data_ptr<int32_t>(), *keys_of = row_keys.data_ptr<int32_t>();
+    std::vector<int64_t> tile_count(spans.size()), first(spans.size(), std::numeric_limits<int64_t>::max()),
+        last(spans.size());
+    for (size_t t = 0; t + 1 < tiles.size(); ++t)
+      if (span_of[tiles[t]] >= 0) ++tile_count[span_of[tiles[t]]];
+    for (int64_t row = 0; row < row_span.size(0); ++row) {
+      if (span_of[row] < 0 || tile_count[span_of[row]] < kTransposeOnceTiles) continue;
+      const int64_t span = span_of[row];
+      first[span] = std::min<int64_t>(first[span], window > 0 ? std::max<int64_t>(0, keys_of[row] - window) : 0);
+      last[span] = std::max<int64_t>(last[span], keys_of[row]);
+    }
+    const int64_t kv_heads = k.size(1);
+    std::vector<std::pair<int64_t, int64_t>> jobs;  // (span, block)
+    int64_t size = 0;
+    std::vector<int64_t> offsets(spans.size());
+    for (size_t span = 0; span < spans.size(); ++span) {
+      if (tile_count[span] < kTransposeOnceTiles) continue;
+      spans[span].first_block = first[span] / kLanes;
+      spans[span].blocks = (last[span] + kLanes - 1) / kLanes - spans[span].first_block;
+      offsets[span] = size;
+      size += kv_heads * spans[span].blocks * kBlockSize;
+      for (int64_t b = 0; b < spans[span].blocks; ++b) jobs.emplace_back(span, spans[span].first_block + b);
+    }
+    if (jobs.empty()) return spans;
+    thread_local std::vector<uint32_t> buffer;  // kept between calls: no fresh pages per layer
+    if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+    for (size_t span = 0; span < spans.size(); ++span)
+      if (tile_count[span] >= kTransposeOnceTiles) spans[span].data = buffer.data() + offsets[span];
+    const auto* cache = k.data_ptr<scalar_t>();
+    const int32_t* table = pages.data_ptr<int32_t>();
+    const int64_t max_pages = pages.size(1), slot_width = kv_heads * D;
+    at::parallel_for(0, static_cast<int64_t>(jobs.size()), 8, [&](int64_t begin, int64_t end) {
+      for (int64_t job = begin; job < end; ++job) {
+        const auto [span, block] = jobs[job];
+        const TransposedKeys& keys = spans[span];
+        for (int64_t head = 0; head < kv_heads; ++head) {
+          const c10::BFloat16* rows[kLanes];
+          for (int64_t j = 0; j < kLanes; ++j) {
+            const int64_t position = block * kLanes + j;
+            rows[j] = position >= first[span] && position < last[span]
+                          ? cache + (static_cast<int64_t>(table[span * max_pages + position / page_size]) * page_size +
+                                     position % page_size) * slot_width + head * D
+                          : nullptr;
+          }
+          transpose_keys(rows, D / 2, const_cast<uint32_t*>(keys.data) +
+                                          (head * keys.blocks + block - keys.first_block) * kBlockSize);
+        }
+      }
+    });
+  }
+#endif
+  return spans;
+}
 
 template <typename scalar_t, int kChunks, int kGroup = 0>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pages,
@@ -343,6 +523,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       tiles.push_back(row);
   const int64_t count = static_cast<int64_t>(tiles.size());
   tiles.push_back(rows);
+  const std::vector<TransposedKeys> transposed = transpose_spans<scalar_t, kChunks>(
+      k, pages, row_span, row_keys, page_size, scores.window, tiles);
   const Attend<scalar_t, kChunks, kGroup> work{q.data_ptr<scalar_t>(),   k.data_ptr<scalar_t>(),
                                                v.data_ptr<scalar_t>(),   pages.data_ptr<int32_t>(),
                                                span_of,                  keys,
@@ -351,7 +533,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
                                                q.size(2),                pages.size(1),
                                                page_size,                scores.window,
                                                scores.scale,             scores.softcap,
-                                               tiles.data()};
+                                               tiles.data(),             transposed.data()};
   // Tiles are the work items, unless there are fewer of them than threads (decoding one sequence on two cores)
   // and they have keys enough to be worth sharing: then each (tile, kv head) is one, so that the threads share a
   // tile's heads rather than one attending alone while the others wait (below kShareHeadsKeys, waking the other
