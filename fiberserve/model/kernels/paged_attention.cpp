@@ -66,12 +66,10 @@ constexpr bool kPairs =
     false;
 #endif
 
-typedef uint32_t u32x16v __attribute__((vector_size(64)));
-
 // v rounded to the nearest bfloat16, to nearest even (finite non-negative v: softmax numerators), as float32.
 inline f32x16 round_to_bf16(f32x16 v) {
-  const u32x16v bits = (u32x16v)v;
-  return (f32x16)((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);
+  const u32x16 bits = vector_cast<u32x16>(v);
+  return vector_cast<f32x16>((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);
 }
 
 #if defined(__AVX512BF16__)
