@@ -66,11 +66,8 @@ constexpr bool kPairs =
     false;
 #endif
 
-// v rounded to the nearest bfloat16, to nearest even (finite non-negative v: softmax numerators), as float32.
-inline f32x16 round_to_bf16(f32x16 v) {
-  const u32x16 bits = vector_cast<u32x16>(v);
-  return vector_cast<f32x16>((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);
-}
+// The first key a row sees: 0, or with a sliding window the first of its last `window` keys.
+inline int64_t first_key(int64_t keys, int64_t window) { return window > 0 ? std::max<int64_t>(0, keys - window) : 0; }
 
 #if defined(__AVX512BF16__)
 // Keys as the bf16 score products read them: a block of 16 keys of one kv head as head_dim / 2 vectors, vector p
@@ -186,13 +183,14 @@ struct Attend {
         keys.begin = std::numeric_limits<int64_t>::max(), keys.hi = 0, keys.span = span;
         for (int64_t r = 0; r < R; ++r) {
           keys.last[r] = keys_of[row0 + r];
-          keys.first[r] = window > 0 ? std::max<int64_t>(0, keys.last[r] - window) : 0;
+          keys.first[r] = first_key(keys.last[r], window);
           keys.begin = std::min(keys.begin, keys.first[r]), keys.hi = std::max(keys.hi, keys.last[r]);
         }
         keys.lo = keys.begin / kLanes * kLanes;
         const int32_t* table = pages + span * max_pages;
         keys.slots.resize(keys.hi - keys.lo);
-        for (int64_t i = 0, page_index = keys.begin / page_size, offset = keys.begin % page_size; i < keys.hi - keys.lo; ++i) {
+        for (int64_t i = 0, page_index = keys.begin / page_size, offset = keys.begin % page_size; i < keys.hi - keys.lo;
+             ++i) {
           keys.slots[i] = (static_cast<int64_t>(table[page_index]) * page_size + offset) * slot_width;
           if (keys.lo + i >= keys.begin && ++offset == page_size) ++page_index, offset = 0;
         }
@@ -383,7 +381,7 @@ struct Attend {
       const int count = static_cast<int>(std::min<int64_t>(kBlocks, (hi - block + kLanes - 1) / kLanes));
       for (int b = 0; b < count; ++b) {
         const int64_t start = block + b * kLanes, end = std::min(start + kLanes, hi);
-        if (first_pass)  // values for the weighted sums, and keys two blocks ahead where they are read here
+        if (first_pass)  // values for the weighted sums, and keys kBlocks blocks ahead where they are read here
           for (int64_t i = start - lo; i < end - lo; ++i) {
             if (!shared.data && i + kBlocks * kLanes < hi - lo)
               prefetch(k + keys.slots[i + kBlocks * kLanes], slot_width);
@@ -445,7 +443,9 @@ struct Scores {
 };
 
 // The shared transposed keys of every span with kTransposeOnceTiles tiles or more (kPairs only; otherwise all
-// empty): the blocks of 16 keys from its rows' first key to their last, in a buffer of the calling thread's.
+// empty): the blocks of 16 keys from its rows' first key to their last, in a buffer of the calling thread's that
+// is kept between calls (no fresh pages per layer).  It holds one layer's keys of those spans at most: a bound of
+// the KV cache's size / (2 x layers).
 template <typename scalar_t, int kChunks>
 std::vector<TransposedKeys> transpose_spans(const at::Tensor& k, const at::Tensor& pages, const at::Tensor& row_span,
                                             const at::Tensor& row_keys, int64_t page_size, int64_t window,
@@ -462,7 +462,7 @@ std::vector<TransposedKeys> transpose_spans(const at::Tensor& k, const at::Tenso
     for (int64_t row = 0; row < row_span.size(0); ++row) {
       if (span_of[row] < 0 || tile_count[span_of[row]] < kTransposeOnceTiles) continue;
       const int64_t span = span_of[row];
-      first[span] = std::min<int64_t>(first[span], window > 0 ? std::max<int64_t>(0, keys_of[row] - window) : 0);
+      first[span] = std::min(first[span], first_key(keys_of[row], window));
       last[span] = std::max<int64_t>(last[span], keys_of[row]);
     }
     const int64_t kv_heads = k.size(1);
@@ -478,7 +478,7 @@ std::vector<TransposedKeys> transpose_spans(const at::Tensor& k, const at::Tenso
       for (int64_t b = 0; b < spans[span].blocks; ++b) jobs.emplace_back(span, spans[span].first_block + b);
     }
     if (jobs.empty()) return spans;
-    thread_local std::vector<uint32_t> buffer;  // kept between calls: no fresh pages per layer
+    thread_local std::vector<uint32_t> buffer;
     if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
     for (size_t span = 0; span < spans.size(); ++span)
       if (tile_count[span] >= kTransposeOnceTiles) spans[span].data = buffer.data() + offsets[span];
@@ -546,7 +546,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   for (int64_t unit = 0; unit < count * parts; ++unit) {
     int64_t keys_seen = kLanes;  // a unit's fixed cost, padding tiles' too
     for (int64_t row = tiles[unit / parts]; row < tiles[unit / parts + 1]; ++row)
-      if (span_of[row] >= 0) keys_seen += scores.window > 0 ? std::min<int64_t>(keys[row], scores.window) : keys[row];
+      if (span_of[row] >= 0) keys_seen += keys[row] - first_key(keys[row], scores.window);
     cost[unit + 1] = cost[unit] + keys_seen;
   }
   std::vector<int64_t> bounds(threads + 1, count * parts);

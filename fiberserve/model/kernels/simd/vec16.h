@@ -172,10 +172,19 @@ inline f32x16 silu_times(f32x16 g, f32x16 u) {
 
 inline void store16(float* p, f32x16 v) { store_vector(p, v); }
 
+// The bits of v rounded to the nearest bfloat16, to nearest even, in their top halves (not for NaN).
+inline u32x16 bf16_rounded_bits(f32x16 v) {
+  const u32x16 bits = vector_cast<u32x16>(v);
+  return bits + 0x7FFFu + ((bits >> 16) & 1u);
+}
+
+// v rounded to the nearest bfloat16 (not NaN), as float32.
+inline f32x16 round_to_bf16(f32x16 v) { return vector_cast<f32x16>(bf16_rounded_bits(v) & 0xFFFF0000u); }
+
 // Round to nearest even, as PyTorch does (NaN stays NaN).
 inline void store16(c10::BFloat16* p, f32x16 v) {
   const u32x16 bits = vector_cast<u32x16>(v);
-  const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const u32x16 rounded = bf16_rounded_bits(v) >> 16;
   const u32x16 quiet = (bits >> 16) | 0x40u;
   store_vector(p, convert<u16x16>(select(v != v, quiet, rounded)));
 }
