@@ -115,6 +115,30 @@ def test_a_long_row_decoded_alone_shares_its_heads_and_keeps_its_bits(dtype):
     torch.testing.assert_close(alone.float(), expected, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("window", [None, 21])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_chunk_attends_as_the_reference_and_each_row_alone_keeps_its_bits(dtype, window):
+    """A prefill chunk of 15 rows (8 tiles: on AVX512-BF16 its keys are transposed once for all of them) and a
+    decode row of another span: the reference's result, and each row alone (whose tile transposes its own keys)
+    gets the bits it gets in the batch; with a window, the rows' first keys are odd and even positions alike."""
+    torch.manual_seed(3)
+    k, v = torch.randn(64 * PAGE, 3, 64).to(dtype), torch.randn(64 * PAGE, 3, 64).to(dtype)
+    q = torch.randn(16, 9, 64).to(dtype)
+    tables = torch.randperm(64, dtype=torch.int32)[:40].view(2, 20)
+    spans = torch.tensor([0] * 15 + [1], dtype=torch.int32)
+    keys = torch.tensor([*range(50, 65), 77], dtype=torch.int32)
+    batch = kernels.paged_attention(q, k, v, tables, spans, keys, PAGE, 0.125, window or 0)
+    expected = reference_attention(q, k, v, tables, spans, keys, window)  # its scale: 64 ** -0.5
+    tolerance = 2e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(batch.float(), expected, atol=tolerance, rtol=tolerance)
+    for row in range(16):
+        one = slice(row, row + 1)
+        alone = kernels.paged_attention(
+            q[one], k, v, tables[spans[one].long()], spans[one] * 0, keys[one], PAGE, 0.125, window or 0
+        )
+        assert torch.equal(alone[0], batch[row])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm(dtype):
     torch.manual_seed(1)
