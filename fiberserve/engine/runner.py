@@ -15,7 +15,7 @@ import torch
 
 from fiberserve.engine.faults import FaultInjector
 from fiberserve.engine.flight import Flight, FlightItem, FlightResult
-from fiberserve.engine.sampler import sample, score_tokens
+from fiberserve.engine.sampler import race_parameters, sample, score_tokens
 from fiberserve.engine.sequence import TokenLogprob
 from fiberserve.model.llama import ForwardBatch, KVCache, LlamaModel, SequenceSpan
 
@@ -104,9 +104,12 @@ class ModelRunner:
         positions = [position for item in items for position in item.sampled_positions]
         scoring = any(item.scored_prompt for item in items)
         scored: list[list[TokenLogprob]] = [[] for _ in items]
-        if not scoring and sampling and all(seq.params.argmax_only for seq in sampling):  # no logits written
-            greedy: list[tuple[int, TokenLogprob | None]] = [(t, None) for t in self.model.greedy(batch, self.cache)]
-            picked = iter(greedy)
+        if not scoring and sampling and all(seq.params.picked_from_raw_logits for seq in sampling):  # no logits written
+            race = race_parameters(sampling, positions)
+            tokens: list[tuple[int, TokenLogprob | None]] = [
+                (t, None) for t in self.model.pick(batch, self.cache, race)
+            ]
+            picked = iter(tokens)
         else:
             logits = self.model.forward(batch, self.cache)
             if scoring:

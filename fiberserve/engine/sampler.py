@@ -6,9 +6,11 @@ temperature, keep their top-k, renormalize, keep their top-p nucleus and their m
 
 Every step is one tensor operation over the rows that need it, and each row's result depends only on that row
 (row-wise kernels, a fixed candidate count for the nucleus), so a row picks the same token alone or inside any
-batch.  A sampled row draws by inverting its cumulative distribution at one uniform number, and that number is a
-pure function of (the sequence's key, the position of the token drawn) (:func:`uniform`): a seeded request
-samples the same tokens alone, in any batch, after a preemption, and whether or not its tokens were drafted.
+batch.  A sampled row draws by an exponential race (:func:`.kernels.race_rows`: the argmax over its kept tokens of
+``logit / temperature`` plus Gumbel noise), and the noise is a pure function of (the sequence's key, the position
+of the token drawn, the token) (``sampling_noise``): a seeded request samples the same tokens alone, in any batch,
+after a preemption, whether or not its tokens were drafted, and whether or not its logits were written (a row
+without truncation, adjustments or logprobs runs its race in the head's kernel: ``LlamaModel.pick``).
 
 Logprobs are those of the model's raw distribution (before temperature and truncation, and before bias and
 penalties), as vLLM and SGLang report them.
@@ -21,7 +23,7 @@ from collections.abc import Sequence as Rows
 
 import torch
 
-from fiberserve.engine.sampling_noise import uniform
+from fiberserve.engine.sampling_noise import row_seed
 from fiberserve.engine.sampling_params import SamplingParams
 from fiberserve.engine.sequence import Sequence, TokenLogprob
 from fiberserve.model import kernels
@@ -52,9 +54,17 @@ def sample(logits: torch.Tensor, seqs: Rows[Sequence], positions: Rows[int]) -> 
         chosen[greedy] = torch.tensor(argmax_rows(rows), dtype=torch.long)
     if drawn:
         rows = adjusted if len(drawn) == len(params) else adjusted[drawn]
-        noise = [uniform(seqs[i].sampling_key, positions[i]) for i in drawn]
-        chosen[drawn] = draw(rows, [params[i] for i in drawn], noise)
+        seeds = torch.tensor([row_seed(seqs[i].sampling_key, positions[i]) for i in drawn], dtype=torch.long)
+        chosen[drawn] = draw(rows, [params[i] for i in drawn], seeds)
     return with_logprobs(logits, chosen, params)
+
+
+def race_parameters(seqs: Rows[Sequence], positions: Rows[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's race: 1 / temperature as float32 (0 for a greedy row) and the seed of its draw (int64), as
+    :func:`.kernels.race_rows` and the head's kernels take them."""
+    inverse = [0.0 if seq.params.greedy else 1.0 / seq.params.temperature for seq in seqs]
+    seeds = [row_seed(seq.sampling_key, position) for seq, position in zip(seqs, positions, strict=True)]
+    return torch.tensor(inverse, dtype=torch.float32), torch.tensor(seeds, dtype=torch.long)
 
 
 def adjust_logits(logits: torch.Tensor, seqs: Rows[Sequence]) -> torch.Tensor:
@@ -107,24 +117,30 @@ def _index(pairs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(pairs[0], dtype=torch.long), torch.tensor(pairs[1], dtype=torch.long)
 
 
-def draw(logits: torch.Tensor, params: list[SamplingParams], noise: list[float]) -> torch.Tensor:
-    """Row ``i``'s token drawn from ``logits[i]`` under ``params[i]`` (temperature, top-k, top-p, min-p) by
-    inverting its cumulative distribution at ``noise[i]`` in [0, 1)."""
+def draw(logits: torch.Tensor, params: list[SamplingParams], seeds: torch.Tensor) -> torch.Tensor:
+    """Row ``i``'s token drawn from ``logits[i]`` under ``params[i]`` (temperature, top-k, top-p, min-p) by the race
+    seeded ``seeds[i]`` over the tokens its truncation keeps."""
+    kernels.load()
     vocab = logits.shape[-1]
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
-    scaled = logits / temperature[:, None]
+    inverse = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    if any(top_k):
-        _keep_top_k(scaled, top_k)
-    probs = torch.softmax(scaled, dim=-1)
-    del scaled
     top_p, min_p = [p.top_p for p in params], [p.min_p for p in params]
-    if any(p < 1.0 for p in top_p) or any(min_p):
-        floor = _nucleus_floor(probs, top_p)
-        if any(min_p):
-            floor = torch.maximum(floor, torch.tensor(min_p, dtype=probs.dtype) * probs.amax(dim=-1))
-        probs.masked_fill_(probs < floor[:, None], 0.0)
-    return _invert_cdf(probs, noise)
+    if any(top_k) or any(p < 1.0 for p in top_p) or any(min_p):
+        scaled = logits * inverse[:, None]
+        if any(top_k):
+            _keep_top_k(scaled, top_k)
+        if any(p < 1.0 for p in top_p) or any(min_p):
+            probs = torch.softmax(scaled, dim=-1)
+            floor = _nucleus_floor(probs, top_p)
+            if any(min_p):
+                floor = torch.maximum(floor, torch.tensor(min_p, dtype=probs.dtype) * probs.amax(dim=-1))
+            scaled.masked_fill_(probs < floor[:, None], float("-inf"))
+        logits = logits.masked_fill(scaled == float("-inf"), float("-inf"))
+    picked = kernels.race_rows(logits, inverse, seeds)
+    if bool((picked < 0).any()):  # a row with no finite logit left: its first (raw) maximum
+        empty = picked < 0
+        picked[empty] = torch.tensor(argmax_rows(logits[empty]), dtype=torch.long)
+    return picked
 
 
 def _keep_top_k(scaled: torch.Tensor, top_k: list[int]) -> None:
@@ -162,18 +178,6 @@ def _nucleus_floor(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
         floor[rows[whole]] = largest[whole].gather(1, (kept[whole] - 1).clamp(min=0)[:, None])[:, 0]
         rows = rows[~whole]
     return floor
-
-
-def _invert_cdf(probs: torch.Tensor, noise: list[float]) -> torch.Tensor:
-    """For each row, the first token whose cumulative probability exceeds ``noise`` times the row's total: a draw
-    from the row's (unnormalized) distribution; a token of probability 0 is never picked.  ``probs`` becomes the
-    cumulative sums."""
-    cdf = probs.cumsum_(dim=-1)
-    total = cdf[:, -1:]
-    target = torch.tensor(noise, dtype=cdf.dtype)[:, None] * total
-    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
-    picked = torch.searchsorted(cdf, target, right=True)[:, 0]
-    return picked.clamp(max=probs.shape[-1] - 1)
 
 
 def with_logprobs(

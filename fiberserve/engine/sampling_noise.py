@@ -1,8 +1,9 @@
-"""Counter-based sampling noise: each draw's uniform number is a pure function of a key and a position.
+"""Counter-based sampling noise: each draw's noise is a pure function of a key, a position and a token.
 
 A sequence's key comes from its request's seed (or is random) and its index among the request's completions; the
-position is that of the token being drawn.  No generator state is kept, so a draw does not depend on the batch,
-on the order of draws, on preemption or on whether the token was drafted.
+position is that of the token being drawn.  :func:`row_seed` mixes the two into the 64-bit seed of that draw, and
+the kernels derive each token's Gumbel noise from it (``model/kernels/race.h``).  No generator state is kept, so a
+draw does not depend on the batch, on the order of draws, on preemption or on whether the token was drafted.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def sampling_key(seed: int, index: int) -> int:
     return _splitmix64(_splitmix64(seed) ^ index)
 
 
-def uniform(key: int, position: int) -> float:
-    """A number in [0, 1) determined by ``key`` and ``position`` alone (counter-based noise: no generator state)."""
-    return (_splitmix64(key ^ _splitmix64(position)) >> 11) * 2.0**-53
+def row_seed(key: int, position: int) -> int:
+    """The seed of the draw at ``position`` for ``key``, as a signed 64-bit integer (an int64 tensor's element)."""
+    seed = _splitmix64(key ^ _splitmix64(position))
+    return seed - (1 << 64) if seed >> 63 else seed

@@ -74,6 +74,13 @@ class SamplingParams:
         no logprobs)."""
         return self.greedy and not self.adjusts_logits and not (self.logprobs or self.top_logprobs)
 
+    @property
+    def picked_from_raw_logits(self) -> bool:
+        """The next token is the raw logits' argmax, or a draw from all of them at the temperature (no truncation,
+        no adjustments, no logprobs): the head's kernel can pick it without writing the logits."""
+        whole = self.top_k <= 0 and self.top_p >= 1.0 and self.min_p == 0.0
+        return (self.greedy or whole) and not self.adjusts_logits and not (self.logprobs or self.top_logprobs)
+
     def validate(self, max_n: int = 16, vocab_size: int | None = None) -> SamplingParams:
         """Raise :class:`InvalidParameter` naming the first bad field; return self."""
         checks = [

@@ -32,6 +32,8 @@ MIN_ROWS = 2
 
 #: A product's tensors as :func:`.kernels.decoder_layers` takes them: weight, scales, mins, bias.
 KernelTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+#: A head's candidates for :func:`.kernels.refined_race`: values, indices, race values, race indices [R, k].
+RaceCandidates = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
@@ -84,6 +86,15 @@ class Linear:
         if not self.bf16_kernel or self.bias is not None:
             return None
         return kernels.bf16_linear_top_k(x, self.weight, k)
+
+    def race(
+        self, x: torch.Tensor, k: int, inv_temperature: torch.Tensor, seeds: torch.Tensor
+    ) -> RaceCandidates | None:
+        """:meth:`top_k`, and each sampled row's ``k`` best race entries (:func:`.kernels.bf16_linear_race`);
+        None where :meth:`top_k` is."""
+        if not self.bf16_kernel or self.bias is not None:
+            return None
+        return kernels.bf16_linear_race(x, self.weight, k, inv_temperature, seeds)
 
     def __call__(self, x: torch.Tensor, wide: bool = False, gated: bool = False) -> torch.Tensor:
         """``wide=True`` asks for a float32 result where the kernel gives one unrounded (``bf16_linear``);
@@ -157,6 +168,15 @@ class QuantLinear:
         if not self.native or self.bias is not None:
             return None
         return kernels.quant_linear_top_k(x, self.weight, self.scales, self.mins, k)
+
+    def race(
+        self, x: torch.Tensor, k: int, inv_temperature: torch.Tensor, seeds: torch.Tensor
+    ) -> RaceCandidates | None:
+        """:meth:`top_k`, and each sampled row's ``k`` best race entries (:func:`.kernels.quant_linear_race`);
+        None where :meth:`top_k` is."""
+        if not self.native or self.bias is not None:
+            return None
+        return kernels.quant_linear_race(x, self.weight, self.scales, self.mins, k, inv_temperature, seeds)
 
     def __call__(self, x: torch.Tensor, wide: bool = False, gated: bool = False) -> torch.Tensor:
         """``wide=True``: a float32 result from the extension's kernel; elsewhere the result is in ``x``'s

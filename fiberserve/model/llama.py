@@ -426,21 +426,44 @@ class LlamaModel:
 
     @torch.inference_mode()
     def greedy(self, batch: ForwardBatch, cache: KVCache) -> list[int]:
-        """:meth:`forward`, then the argmax of each row (the first maximum): the same tokens.
+        """:meth:`forward`, then the argmax of each row (the first maximum): the same tokens (see :meth:`pick`)."""
+        return self.pick(batch, cache)
 
-        Where the head is one of the extension's products, its kernel keeps each row's top candidates as its tiles
-        produce them (``bf16_linear_top_k``, ``quant_linear_top_k``), and the argmax is taken over those once
-        re-scored (:func:`.kernels.refined_argmax`): the [R, vocab] float32 logits are never written nor read
-        back (64 rows: 12.6 MB written, then read by the re-scoring's top-k pass and again by the argmax)."""
+    @torch.inference_mode()
+    def pick(
+        self, batch: ForwardBatch, cache: KVCache, race: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> list[int]:
+        """:meth:`forward`, then each row's token: its argmax (the first maximum), or for a row whose ``race``
+        (inverse temperature float32 [R], 0 for an argmax row; seeds int64 [R]) says so, its draw
+        (:func:`.kernels.race_rows` over its logits): the same tokens either way.
+
+        Where the head is one of the extension's products, its kernel keeps each row's top candidates (and race
+        entries) as its tiles produce them (``quant_linear_race``, ``bf16_linear_race``), and the pick is taken
+        over those once re-scored (:func:`.kernels.refined_race`): the [R, vocab] float32 logits are never
+        written nor read back (64 rows: 12.6 MB written, then read by the re-scoring's top-k pass and again by
+        the argmax or the sampler)."""
         h = self._final_hidden(batch, cache)
         k = REFINED_LOGITS + 1  # the re-scored candidates and the best of the rest
-        if self.dtype != torch.float32 and k < self.config.vocab_size:
-            top = self.logits.top_k(h.to(self.dtype), k)
-            if top is not None:
+        if race is not None and not bool((race[0] > 0).any()):
+            race = None  # argmax rows only
+        capped = self.config.final_softcap is not None and race is not None  # the cap is monotonic: argmax keeps it
+        if self.dtype != torch.float32 and k < self.config.vocab_size and not capped:
+            x, picked = h.to(self.dtype), None
+            if race is not None:
+                found = self.logits.race(x, k, *race)
+                picked = None if found is None else kernels.refined_race(found, h, self.lm_head, *race)
+            elif (top := self.logits.top_k(x, k)) is not None:
                 picked = kernels.refined_argmax(*top, h, self.lm_head)
-                if bool((picked >= 0).all()):  # else a row of NaN: argmax_rows below decides as forward's caller would
-                    return picked.tolist()
-        return argmax_rows(self._logits(h))
+            if picked is not None and bool((picked >= 0).all()):  # else a row of NaN: the logits below decide
+                return picked.tolist()
+        logits = self._logits(h)
+        picks = argmax_rows(logits)
+        if race is not None:
+            drawn = (race[0] > 0).nonzero()[:, 0]
+            raced = kernels.race_rows(logits[drawn], race[0][drawn], race[1][drawn]).tolist()
+            for row, token in zip(drawn.tolist(), raced, strict=True):
+                picks[row] = token if token >= 0 else picks[row]
+        return picks
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The head over the final hidden states: float32 [R, vocab], the top candidates re-scored exactly."""

@@ -320,6 +320,37 @@ def test_greedy_gives_the_argmax_of_forward(tiny_dirs, quantization):
     assert tokens == kernels.top_k_rows(logits, 1)[1][:, 0].tolist() == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_pick_draws_what_the_race_over_forward_draws(tiny_dirs, quantization):
+    """``pick`` with a race (the head's kernel keeps each row's top logits and race entries; no logits written)
+    gives exactly ``race_rows`` over ``forward``'s re-scored logits for sampled rows and the argmax for greedy
+    ones, whether the winner is among the re-scored candidates or not."""
+    from fiberserve.model import kernels
+    from fiberserve.model.linear import quant_kernel_available
+    from fiberserve.model.llama import REFINED_LOGITS
+
+    if quantization == "int4" and not quant_kernel_available():
+        pytest.skip("the int4 mode's head runs on the extension's kernel (AVX512-VNNI or AVX2)")
+    model = LlamaModel(load_checkpoint(tiny_dirs["gguf"]), torch.bfloat16, quantization=quantization)
+    batch = prefill_batch([(TOKENS * 2, [3, 1, 4, 0, 5, 9]), (TOKENS[:7], [2, 6])])
+    cache = KVCache(model.config, 16, PAGE, torch.bfloat16, "cpu")
+    logits = model.forward(batch, cache)
+    rows = logits.shape[0]
+    inverse = torch.tensor([0.0 if row % 5 == 0 else (0.5, 1.0, 3.0)[row % 3] for row in range(rows)])
+    drawn = inverse > 0
+    refined = kernels.top_k_rows(logits, REFINED_LOGITS)[1]
+    inside = outside = 0
+    for trial in range(12):
+        seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=torch.Generator().manual_seed(trial))
+        picks = torch.tensor(model.pick(batch, cache, (inverse, seeds)))
+        expected = logits.argmax(-1)
+        expected[drawn] = kernels.race_rows(logits[drawn], inverse[drawn], seeds[drawn])
+        assert torch.equal(picks, expected)
+        among = (refined == picks[:, None]).any(-1)[drawn]
+        inside, outside = inside + int(among.sum()), outside + int((~among).sum())
+    assert inside > 0 and outside > 0  # both ways of winning were checked
+
+
 @pytest.mark.parametrize("qtype", [None, "F16", "Q4_1", "Q4_0", "Q8_0", "Q6_K"])
 def test_default_quantization_is_the_files_own_where_int4_is_faster(tmp_path, tiny_dirs, qtype):
     """``--quantization auto``: int4 only for a GGUF whose decoder matrices are all in formats served in their own

@@ -292,6 +292,49 @@ def quant_linear_top_k(
     return torch.ops.fiberserve.quant_linear_top_k(x, packed, scales, mins, k)
 
 
+def bf16_linear_race(
+    x: torch.Tensor, packed: torch.Tensor, k: int, inv_temperature: torch.Tensor, seeds: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`bf16_linear_top_k`, and each row's ``k`` best entries of the race of :func:`race_rows` over the
+    float32 product (rows with ``inv_temperature`` 0 run none): (values, indices, race values, race indices)."""
+    return torch.ops.fiberserve.bf16_linear_race(x, packed, k, inv_temperature, seeds)
+
+
+def quant_linear_race(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    k: int,
+    inv_temperature: torch.Tensor,
+    seeds: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quant_linear_top_k`, and each row's ``k`` best entries of the race of :func:`race_rows` over the
+    float32 product (rows with ``inv_temperature`` 0 run none): (values, indices, race values, race indices)."""
+    return torch.ops.fiberserve.quant_linear_race(x, packed, scales, mins, k, inv_temperature, seeds)
+
+
+def race_rows(logits: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """Each row's draw from ``softmax(logits * inv_temperature)`` (``logits`` float32 [R, V], ``-inf`` excludes a
+    token; ``inv_temperature`` [R] > 0; ``seeds`` int64 [R]): the argmax of ``logit * inv_temperature + g`` with
+    Gumbel noise ``g`` a pure function of (seed, token), so a row's pick depends on that row alone.  LongTensor
+    [R], -1 for a row with no finite logit."""
+    return torch.ops.fiberserve.race_rows(logits, inv_temperature, seeds)
+
+
+def refined_race(
+    candidates: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    inv_temperature: torch.Tensor,
+    seeds: torch.Tensor,
+) -> torch.Tensor:
+    """Each row's pick over its logits after :func:`refine_top_logits` with ``k``, from a head's race
+    ``candidates`` (with ``k + 1``) alone: :func:`refined_argmax` for a row with ``inv_temperature`` 0, else
+    exactly :func:`race_rows`' pick over the re-scored row.  LongTensor [R], -1 for a row of NaN."""
+    return torch.ops.fiberserve.refined_race(*candidates, hidden, weight, inv_temperature, seeds)
+
+
 def top_k_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` (<= 64) largest values of each row of ``x`` [R, n] (float32 or bf16, CPU), largest first, as
     float32 values and int64 indices [R, k]; equal values in index order (``k=1`` is ``argmax``'s first

@@ -22,7 +22,7 @@
 #include "ops.h"
 #include "simd/prefetch.h"
 #include "tiles/row_tiles.h"
-#include "top_k.h"
+#include "race.h"
 #include "simd/vec16.h"
 
 #if defined(__AVX512BF16__)
@@ -266,20 +266,19 @@ void product(const Row* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t bl
   });
 }
 
-// The product's k largest outputs per row, as top_k_rows of the float32 product would find them, without writing
-// the product (see quant_linear_top_k): the same (column group, row tile) units as product(), each computed into
+// The product's k largest outputs per row, as top_k_rows of the float32 product would find them, and a sampled
+// row's race (RowCandidates), without writing the product (see quant_linear_race): the same (column group, row tile) units as product(), each computed into
 // a thread's scratch of [rows, 64] and offered to the rows' running lists.  For a row, one thread's units all
 // lie below the next thread's in column order, so merging the lists in thread order keeps ties in index order.
 template <typename Tiles>
-void product_top_k(const Row* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t blocks, int64_t k,
-                   float* values, int64_t* indices) {
+void product_candidates(const Row* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t blocks, Candidates& out) {
   constexpr int64_t H = Tiles::kHeight;
   const int64_t block_stride = K * kBlock, row_tiles = (M + H - 1) / H, groups = (blocks + kCols - 1) / kCols;
   const int64_t threads = at::get_num_threads();
-  std::vector<TopK> lists(static_cast<size_t>(threads * M), TopK(k));  // per thread, per row
+  std::vector<RowCandidates> lists = out.lists(threads, M, out.values.size(1));
   at::parallel_for(0, groups * row_tiles, 1, [&](int64_t begin, int64_t end) {
     typename Tiles::Scope scope;
-    TopK* mine = lists.data() + at::get_thread_num() * M;
+    RowCandidates* mine = lists.data() + at::get_thread_num() * M;
     thread_local std::vector<float> scratch;
     if (scratch.size() < static_cast<size_t>(M * kCols * kBlock)) scratch.resize(static_cast<size_t>(M * kCols * kBlock));
     PrefetchCursor none;
@@ -296,7 +295,7 @@ void product_top_k(const Row* xp, int64_t M, int64_t K, const uint16_t* wp, int6
       unit += tile1 - tile0;
     }
   });
-  merge_in_thread_order(lists, M, values, indices);
+  out.merge(lists, M);
 }
 
 std::atomic<bool> amx_allowed{true};
@@ -378,19 +377,37 @@ at::Tensor bf16_linear_prefetching(const at::Tensor& x, const at::Tensor& packed
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> bf16_linear_top_k(const at::Tensor& x, const at::Tensor& packed, int64_t k) {
+namespace {
+
+Candidates bf16_linear_candidates(const at::Tensor& x, const at::Tensor& packed, int64_t k,
+                                  const std::optional<at::Tensor>& inv_temperature,
+                                  const std::optional<at::Tensor>& seeds) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16_linear_top_k: x must be bf16 [M, K]");
   TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x.size(1), "bf16_linear_top_k: weight not packed for this K");
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
   TORCH_CHECK(k >= 1 && k <= TopK::kMax && k <= blocks * kBlock, "bf16_linear_top_k: k must be in [1, min(64, N)]");
   const at::Tensor rows = runs_on_amx(K) ? padded_rows(tile_rows(x)) : tile_rows(x);
-  at::Tensor values = at::empty({M, k}, x.options().dtype(at::kFloat));
-  at::Tensor indices = at::empty({M, k}, x.options().dtype(at::kLong));
+  Candidates out(x, M, k, inv_temperature, seeds);
   with_tiles(K, [&](auto tiles) {
-    product_top_k<decltype(tiles)>(row_data(rows), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
-                                   blocks, k, values.data_ptr<float>(), indices.data_ptr<int64_t>());
+    product_candidates<decltype(tiles)>(row_data(rows), M, K,
+                                        reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), blocks, out);
   });
-  return {values, indices};
+  return out;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> bf16_linear_top_k(const at::Tensor& x, const at::Tensor& packed, int64_t k) {
+  const Candidates out = bf16_linear_candidates(x, packed, k, std::nullopt, std::nullopt);
+  return {out.values, out.indices};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bf16_linear_race(const at::Tensor& x,
+                                                                             const at::Tensor& packed, int64_t k,
+                                                                             const at::Tensor& inv_temperature,
+                                                                             const at::Tensor& seeds) {
+  const Candidates out = bf16_linear_candidates(x, packed, k, inv_temperature, seeds);
+  return {out.values, out.indices, out.race_values, out.race_indices};
 }
 
 #else
@@ -411,6 +428,12 @@ at::Tensor bf16_linear_prefetching(const at::Tensor&, const at::Tensor&, const s
 }
 
 std::tuple<at::Tensor, at::Tensor> bf16_linear_top_k(const at::Tensor&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "bf16_linear: built without AVX2 or AVX512-BF16");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bf16_linear_race(const at::Tensor&, const at::Tensor&,
+                                                                             int64_t, const at::Tensor&,
+                                                                             const at::Tensor&) {
   TORCH_CHECK(false, "bf16_linear: built without AVX2 or AVX512-BF16");
 }
 

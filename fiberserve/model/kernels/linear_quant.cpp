@@ -42,7 +42,7 @@
 #include "ops.h"
 #include "simd/prefetch.h"
 #include "tiles/row_tiles.h"
-#include "top_k.h"
+#include "race.h"
 #include "simd/vec16.h"
 
 // The row tiles: AVX512-VNNI's below, or AVX2's (tiles/linear_quant_avx2.h, the same bits); the rest of the file serves both.
@@ -368,12 +368,13 @@ void product(const QuantizedRows& x, int64_t M, const Weights& weights, const fl
 }
 
 // The product's k largest outputs per row, as top_k_rows of the float32 product would find them, without writing
-// the product: each tile's outputs go to a small buffer in L1 and on to the row's running list (TopK) of the
-// thread, and the threads' lists are merged at the end.  For the output head, whose [rows, vocabulary] float32
-// logits would otherwise be written and read back twice (the top-k pass, then the argmax).
+// the product: each tile's outputs go to a small buffer in L1 and on to the row's running lists (RowCandidates,
+// with its race where it has one) of the thread, and the threads' lists are merged at the end.  For the output
+// head, whose [rows, vocabulary] float32 logits would otherwise be written and read back (a top-k pass, then the
+// argmax or the sampler).
 template <int NR, typename F>
-void column_group_top_k(const QuantizedRows& x, int64_t M, const ColumnBlocks<F>& cols, int64_t first_output,
-                        TopK* lists, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
+void column_group_candidates(const QuantizedRows& x, int64_t M, const ColumnBlocks<F>& cols, int64_t first_output,
+                             RowCandidates* lists, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
   float buffer[kRows * kCols * kBlock];
   constexpr int64_t ldo = kCols * kBlock;
   for_each_row_tile<kRows>(
@@ -388,22 +389,21 @@ void column_group_top_k(const QuantizedRows& x, int64_t M, const ColumnBlocks<F>
       [&] { prefetch.step(), next_group.step(); });
 }
 
-void product_top_k(const QuantizedRows& x, int64_t M, const Weights& weights, int64_t k, float* values,
-                   int64_t* indices) {
+void product_candidates(const QuantizedRows& x, int64_t M, const Weights& weights, Candidates& out) {
   const int64_t threads = at::get_num_threads();
-  std::vector<TopK> lists(static_cast<size_t>(threads * M), TopK(k));  // per thread, per row
+  std::vector<RowCandidates> lists = out.lists(threads, M, out.values.size(1));
   with_format(weights.format, [&](auto format) {
     using F = decltype(format);
     weights.for_each_group(M, nullptr, [&](int64_t g, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
-      TopK* mine = lists.data() + at::get_thread_num() * M;
+      RowCandidates* mine = lists.data() + at::get_thread_num() * M;
       const ColumnBlocks<F> cols = weights.at<F>(g * kCols);
       const int64_t first = g * kCols * kBlock;
-      if (weights.count(g) == 2) column_group_top_k<2, F>(x, M, cols, first, mine, prefetch, next_group);
-      else column_group_top_k<1, F>(x, M, cols, first, mine, prefetch, next_group);
+      if (weights.count(g) == 2) column_group_candidates<2, F>(x, M, cols, first, mine, prefetch, next_group);
+      else column_group_candidates<1, F>(x, M, cols, first, mine, prefetch, next_group);
     });
   });
   // The threads took the groups in order (thread t a range below thread t + 1's).
-  merge_in_thread_order(lists, M, values, indices);
+  out.merge(lists, M);
 }
 
 }  // namespace
@@ -507,15 +507,32 @@ at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packe
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> quant_linear_top_k(const at::Tensor& x, const at::Tensor& packed,
-                                                      const at::Tensor& scales, const at::Tensor& mins, int64_t k) {
+namespace {
+
+Candidates quant_linear_candidates(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                                   const at::Tensor& mins, int64_t k, const std::optional<at::Tensor>& inv_temperature,
+                                   const std::optional<at::Tensor>& seeds) {
   const Operands op = operands(x, packed, scales, mins);
   TORCH_CHECK(k >= 1 && k <= TopK::kMax && k <= op.weights.column_blocks * kBlock,
               "quant_linear_top_k: k must be in [1, min(64, N)]");
-  at::Tensor values = at::empty({op.M, k}, x.options().dtype(at::kFloat));
-  at::Tensor indices = at::empty({op.M, k}, x.options().dtype(at::kLong));
-  product_top_k(op.rows, op.M, op.weights, k, values.data_ptr<float>(), indices.data_ptr<int64_t>());
-  return {values, indices};
+  Candidates out(x, op.M, k, inv_temperature, seeds);
+  product_candidates(op.rows, op.M, op.weights, out);
+  return out;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> quant_linear_top_k(const at::Tensor& x, const at::Tensor& packed,
+                                                      const at::Tensor& scales, const at::Tensor& mins, int64_t k) {
+  const Candidates out = quant_linear_candidates(x, packed, scales, mins, k, std::nullopt, std::nullopt);
+  return {out.values, out.indices};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quant_linear_race(
+    const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins, int64_t k,
+    const at::Tensor& inv_temperature, const at::Tensor& seeds) {
+  const Candidates out = quant_linear_candidates(x, packed, scales, mins, k, inv_temperature, seeds);
+  return {out.values, out.indices, out.race_values, out.race_indices};
 }
 
 #else  // no AVX2
@@ -534,6 +551,13 @@ at::Tensor quant_linear_prefetching(const at::Tensor&, const at::Tensor&, const 
 
 std::tuple<at::Tensor, at::Tensor> quant_linear_top_k(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                       const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "quant_linear: built without AVX2");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quant_linear_race(const at::Tensor&, const at::Tensor&,
+                                                                              const at::Tensor&, const at::Tensor&,
+                                                                              int64_t, const at::Tensor&,
+                                                                              const at::Tensor&) {
   TORCH_CHECK(false, "quant_linear: built without AVX2");
 }
 

@@ -65,11 +65,36 @@ std::tuple<at::Tensor, at::Tensor> bf16_linear_top_k(const at::Tensor& x, const 
 std::tuple<at::Tensor, at::Tensor> quant_linear_top_k(const at::Tensor& x, const at::Tensor& packed,
                                                       const at::Tensor& scales, const at::Tensor& mins, int64_t k);
 
+// bf16_linear_top_k, and for each sampled row (inv_temperature > 0) its k largest race entries (see race.h):
+// (values, indices, race_values, race_indices), each [M, k].
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bf16_linear_race(const at::Tensor& x,
+                                                                             const at::Tensor& packed, int64_t k,
+                                                                             const at::Tensor& inv_temperature,
+                                                                             const at::Tensor& seeds);
+
+// quant_linear_top_k, and for each sampled row (inv_temperature > 0) its k largest race entries (see race.h):
+// (values, indices, race_values, race_indices), each [M, k].
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quant_linear_race(
+    const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins, int64_t k,
+    const at::Tensor& inv_temperature, const at::Tensor& seeds);
+
 void refine_top_logits(at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight, int64_t k);
 
 // The argmax of each row's logits after refine_top_logits(k), from top_k_rows(logits, k + 1) alone.
 at::Tensor refined_argmax(const at::Tensor& values, const at::Tensor& indices, const at::Tensor& hidden,
                           const at::Tensor& weight);
+
+// Each row's pick after refine_top_logits(k) from a head's race candidates alone (quant_linear_race's, with
+// k + 1): refined_argmax for a greedy row (inv_temperature 0), the race's winner over the re-scored logits for a
+// sampled row, exactly as race_rows over the re-scored row would pick.
+at::Tensor refined_race(const at::Tensor& values, const at::Tensor& indices, const at::Tensor& race_values,
+                        const at::Tensor& race_indices, const at::Tensor& hidden, const at::Tensor& weight,
+                        const at::Tensor& inv_temperature, const at::Tensor& seeds);
+
+// Each row's winner of the race over its logits (float32 [R, V]; -inf excludes a token) at inv_temperature [R]
+// (> 0) with the noise of seeds [R]: a draw from softmax(logits * inv_temperature); -1 for a row with no
+// finite logit.
+at::Tensor race_rows(const at::Tensor& logits, const at::Tensor& inv_temperature, const at::Tensor& seeds);
 
 std::tuple<at::Tensor, at::Tensor> top_k_rows(const at::Tensor& x, int64_t k);
 

@@ -24,6 +24,16 @@ TORCH_LIBRARY(fiberserve, m) {
   m.def("bf16_linear_top_k(Tensor x, Tensor packed, int k) -> (Tensor, Tensor)");
   m.def("quant_linear_top_k(Tensor x, Tensor packed, Tensor scales, Tensor mins, int k) -> (Tensor, Tensor)");
   m.def(
+      "bf16_linear_race(Tensor x, Tensor packed, int k, Tensor inv_temperature, Tensor seeds) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "quant_linear_race(Tensor x, Tensor packed, Tensor scales, Tensor mins, int k, Tensor inv_temperature, "
+      "Tensor seeds) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "refined_race(Tensor values, Tensor indices, Tensor race_values, Tensor race_indices, Tensor hidden, "
+      "Tensor weight, Tensor inv_temperature, Tensor seeds) -> Tensor");
+  m.def("race_rows(Tensor logits, Tensor inv_temperature, Tensor seeds) -> Tensor");
+  m.def(
       "quant_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor? bias, ScalarType out_dtype, "
       "bool gated=False) -> Tensor");
   m.def(
@@ -53,5 +63,9 @@ TORCH_LIBRARY_IMPL(fiberserve, CPU, m) {
   m.impl("refined_argmax", &fiberserve::refined_argmax);
   m.impl("quant_linear_top_k", &fiberserve::quant_linear_top_k);
   m.impl("bf16_linear_top_k", &fiberserve::bf16_linear_top_k);
+  m.impl("quant_linear_race", &fiberserve::quant_linear_race);
+  m.impl("bf16_linear_race", &fiberserve::bf16_linear_race);
+  m.impl("refined_race", &fiberserve::refined_race);
+  m.impl("race_rows", &fiberserve::race_rows);
   m.impl("decoder_layers", &fiberserve::decoder_layers);
 }

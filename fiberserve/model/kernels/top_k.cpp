@@ -10,13 +10,21 @@
 // refined_argmax is the argmax of those re-scored logits, from k + 1 candidates alone (quant_linear_top_k's, so
 // the logits are never written): the first k re-scored, the last the best of the rest, whose logit stays as it
 // was.  The largest value wins, equal values the lower index, exactly as torch.argmax over the re-scored row.
+// refined_race is the same for a sampled row's race (race.h): the first k candidates' race entries from their
+// re-scored logits, against the best race entry of a token outside them (kept by the head's kernel).
+//
+// race_rows runs the race over written logits: 16 tokens at a time, and a group's noise is computed only where
+// one of its tokens could still win (its scaled logit within kGumbelMax of the best entry so far).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <limits>
+#include <utility>
 
 #include "ops.h"
+#include "race.h"
 #include "top_k.h"
 #include "simd/vec16.h"
 
@@ -87,19 +95,43 @@ void refine_top_logits(at::Tensor& logits, const at::Tensor& hidden, const at::T
   }
 }
 
-at::Tensor refined_argmax(const at::Tensor& values, const at::Tensor& indices, const at::Tensor& hidden,
-                          const at::Tensor& weight) {
+namespace {
+
+// The race entry of one token (lane 0 of race16 for the 16 tokens from it: the same bits as in any group).
+float race_entry(float logit, float inv_temperature, uint64_t seed, int64_t token) {
+  return race16(f32x16{} + logit, inv_temperature, seed, token)[0];
+}
+
+// The best of (value, token) pairs offered: the largest value, equal values the lower token; NaN never.
+struct Best {
+  int64_t token = -1;
+  float value = -std::numeric_limits<float>::infinity();
+
+  void offer(float v, int64_t t) {
+    if (v == v && (token < 0 || v > value || (v == value && t < token))) token = t, value = v;
+  }
+};
+
+// Each row's pick from its head candidates (see refined_race), rows in parallel.
+at::Tensor refined_picks(const at::Tensor& values, const at::Tensor& indices, const at::Tensor& race_values,
+                         const at::Tensor& race_indices, const at::Tensor& hidden, const at::Tensor& weight,
+                         const float* inv_temperature, const int64_t* seeds) {
   TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kFloat && indices.scalar_type() == at::kLong &&
                   indices.sizes() == values.sizes() && values.size(1) >= 2,
               "refined_argmax: values float32 and indices int64 [rows, k + 1], k >= 1");
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.size(0) == values.size(0),
               "refined_argmax: hidden must be float32 [rows, width]");
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == hidden.size(1), "refined_argmax: weight must be [vocab, width]");
+  const bool race = inv_temperature != nullptr;
+  TORCH_CHECK(!race || (race_values.sizes() == values.sizes() && race_values.scalar_type() == at::kFloat &&
+                        race_indices.sizes() == values.sizes() && race_indices.scalar_type() == at::kLong),
+              "refined_race: race_values float32 and race_indices int64 [rows, k + 1]");
   const at::Tensor v = values.contiguous(), ix = indices.contiguous(), h = hidden.contiguous(), w = weight.contiguous();
+  const at::Tensor rv = race ? race_values.contiguous() : v, ri = race ? race_indices.contiguous() : ix;
   const int64_t rows = v.size(0), k = v.size(1) - 1, width = h.size(1);
   at::Tensor picked = at::empty({rows}, ix.options());
-  const float *vp = v.data_ptr<float>(), *hp = h.data_ptr<float>();
-  const int64_t* ip = ix.data_ptr<int64_t>();
+  const float *vp = v.data_ptr<float>(), *hp = h.data_ptr<float>(), *rvp = rv.data_ptr<float>();
+  const int64_t *ip = ix.data_ptr<int64_t>(), *rip = ri.data_ptr<int64_t>();
   int64_t* out = picked.data_ptr<int64_t>();
   auto run = [&](auto zero) {
     using weight_t = decltype(zero);
@@ -108,14 +140,26 @@ at::Tensor refined_argmax(const at::Tensor& values, const at::Tensor& indices, c
       for (int64_t r = begin; r < end; ++r) {
         const float* value = vp + r * (k + 1);
         const int64_t* index = ip + r * (k + 1);
-        int64_t best = index[k];  // the best of the rest, as it stands: its logit is not refined
-        float best_value = value[k];
-        for (int64_t i = 0; i < k && index[i] >= 0; ++i) {
-          const float refined = static_cast<float>(exact_dot(hp + r * width, wp + index[i] * width, width));
-          if (best < 0 || refined > best_value || (refined == best_value && index[i] < best))
-            best = index[i], best_value = refined;
+        const float inv_t = race ? inv_temperature[r] : 0.0f;
+        const uint64_t seed = race ? static_cast<uint64_t>(seeds[r]) : 0;
+        Best best;
+        int64_t scored = 0;  // the re-scored candidates: the first k (fewer in a row of NaN)
+        for (; scored < k && index[scored] >= 0; ++scored) {
+          const float refined = static_cast<float>(exact_dot(hp + r * width, wp + index[scored] * width, width));
+          best.offer(inv_t > 0.0f ? race_entry(refined, inv_t, seed, index[scored]) : refined, index[scored]);
         }
-        out[r] = best;
+        if (inv_t > 0.0f) {  // the best race entry of a token not re-scored
+          const float* entry = rvp + r * (k + 1);
+          const int64_t* token = rip + r * (k + 1);
+          for (int64_t j = 0; j <= k && token[j] >= 0; ++j)
+            if (std::find(index, index + scored, token[j]) == index + scored) {
+              best.offer(entry[j], token[j]);
+              break;
+            }
+        } else if (index[k] >= 0) {  // the best of the rest, as it stands: its logit is not re-scored
+          best.offer(value[k], index[k]);
+        }
+        out[r] = best.token;
       }
     });
   };
@@ -124,6 +168,68 @@ at::Tensor refined_argmax(const at::Tensor& values, const at::Tensor& indices, c
     case at::kBFloat16: run(c10::BFloat16{}); break;
     default: TORCH_CHECK(false, "refined_argmax: weight must be float32 or bfloat16, not ", w.scalar_type());
   }
+  return picked;
+}
+
+// A race's parameters, checked: inv_temperature float32 and seeds int64, one per row.
+std::pair<at::Tensor, at::Tensor> race_parameters(const at::Tensor& inv_temperature, const at::Tensor& seeds,
+                                                  int64_t rows) {
+  const at::Tensor t = inv_temperature.to(at::kFloat).contiguous(), s = seeds.to(at::kLong).contiguous();
+  TORCH_CHECK(t.numel() == rows && s.numel() == rows, "a race needs inv_temperature and seeds [rows]");
+  return {t, s};
+}
+
+}  // namespace
+
+at::Tensor refined_argmax(const at::Tensor& values, const at::Tensor& indices, const at::Tensor& hidden,
+                          const at::Tensor& weight) {
+  return refined_picks(values, indices, at::Tensor(), at::Tensor(), hidden, weight, nullptr, nullptr);
+}
+
+at::Tensor refined_race(const at::Tensor& values, const at::Tensor& indices, const at::Tensor& race_values,
+                        const at::Tensor& race_indices, const at::Tensor& hidden, const at::Tensor& weight,
+                        const at::Tensor& inv_temperature, const at::Tensor& seeds) {
+  const auto [t, s] = race_parameters(inv_temperature, seeds, values.size(0));
+  return refined_picks(values, indices, race_values, race_indices, hidden, weight, t.data_ptr<float>(),
+                       s.data_ptr<int64_t>());
+}
+
+at::Tensor race_rows(const at::Tensor& logits, const at::Tensor& inv_temperature, const at::Tensor& seeds) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu(),
+              "race_rows: logits must be a float32 CPU matrix [rows, vocab]");
+  const at::Tensor x = logits.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  const auto [t, s] = race_parameters(inv_temperature, seeds, rows);
+  TORCH_CHECK(rows == 0 || t.min().item<float>() > 0.0f, "race_rows: inv_temperature must be > 0");
+  at::Tensor picked = at::empty({rows}, x.options().dtype(at::kLong));
+  const float *xp = x.data_ptr<float>(), *tp = t.data_ptr<float>();
+  const int64_t* sp = s.data_ptr<int64_t>();
+  int64_t* out = picked.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    const f32x16 excluded = f32x16{} - __builtin_inff();
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * n;
+      const float inv_t = tp[r];
+      const uint64_t seed = static_cast<uint64_t>(sp[r]);
+      Best best;
+      for (int64_t j = 0; j < n; j += kLanes) {
+        f32x16 l;
+        if (j + kLanes <= n) {
+          l = load16(row + j);
+        } else {  // the last tokens, the lanes past them excluded
+          float tail[kLanes];
+          store16(tail, excluded);
+          std::copy(row + j, row + n, tail);
+          l = load16(tail);
+        }
+        if (!any_lane(l * inv_t + kGumbelMax > best.value)) continue;  // no token here can win
+        const f32x16 entry = race16(l, inv_t, seed, j);
+        for (int i = 0; i < kLanes; ++i)
+          if (entry[i] > best.value) best.offer(entry[i], j + i);
+      }
+      out[r] = best.token;
+    }
+  });
   return picked;
 }
 

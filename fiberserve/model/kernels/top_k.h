@@ -6,7 +6,6 @@
 
 #include <cstdint>
 #include <limits>
-#include <vector>
 
 #include "simd/vec16.h"
 
@@ -31,9 +30,14 @@ class TopK {
     value_[i] = value, index_[i] = index;
   }
 
+  // Whether one of 16 values would enter the list (it is not full, or a value is above its k-th best).
+  bool reaches(f32x16 values) const {
+    return index_[k_ - 1] < 0 || any_lane(values > (f32x16{} + value_[k_ - 1]));
+  }
+
   // 16 values with consecutive indices from `first`: only the rare lanes above the k-th best are offered.
   void offer16(f32x16 values, int64_t first) {
-    if (index_[k_ - 1] >= 0 && !any_lane(values > (f32x16{} + value_[k_ - 1]))) return;  // the common case
+    if (!reaches(values)) return;  // the common case
     for (int l = 0; l < kLanes; ++l) offer(values[l], first + l);
   }
 
@@ -50,17 +54,5 @@ class TopK {
   float value_[kMax];
   int64_t index_[kMax];
 };
-
-// lists: [threads][M] running lists of each thread's offers for each row, thread t's indices all below thread
-// t + 1's.  Writes each row's merged top k (values, indices [M, k]): merged in thread order, so equal values stay
-// in index order.
-inline void merge_in_thread_order(const std::vector<TopK>& lists, int64_t M, float* values, int64_t* indices) {
-  const int64_t threads = M > 0 ? static_cast<int64_t>(lists.size()) / M : 0, k = lists.empty() ? 0 : lists[0].k();
-  for (int64_t r = 0; r < M; ++r) {
-    TopK merged(k);
-    for (int64_t t = 0; t < threads; ++t) merged.offer_all(lists[t * M + r]);
-    for (int64_t i = 0; i < k; ++i) values[r * k + i] = merged.value(i), indices[r * k + i] = merged.index(i);
-  }
-}
 
 }  // namespace fiberserve
