@@ -51,18 +51,35 @@ inline f32x16 log_positive(f32x16 x) {
   return (f + y) + k * 0.693359375f;
 }
 
-// The Gumbel noise of tokens first..first+15 of the row seeded `seed`: -log(-log(u)), u uniform in (0, 1) on a
-// grid of 2^-24 from the token's hash.
-inline f32x16 gumbel16(uint64_t seed, int64_t first) {
+// The uniform numbers of tokens first..first+15 of the row seeded `seed`, as odd multiples k of 2^-24 (u = k 2^-24
+// in (0, 1)), from the token's hash.
+inline i32x16 uniform16(uint64_t seed, int64_t first) {
   const u32x16 token = convert<u32x16>(lane_index()) + static_cast<uint32_t>(first);
   const u32x16 h = mix32(mix32(token ^ static_cast<uint32_t>(seed)) ^ static_cast<uint32_t>(seed >> 32));
-  const f32x16 u = convert<f32x16>(vector_cast<i32x16>((h >> 8) | 1u)) * 0x1p-24f;  // odd multiples of 2^-24
+  return vector_cast<i32x16>((h >> 8) | 1u);
+}
+
+// The Gumbel noise of tokens first..first+15 of the row seeded `seed`: -log(-log(u)).
+inline f32x16 gumbel16(uint64_t seed, int64_t first) {
+  const f32x16 u = convert<f32x16>(uniform16(seed, first)) * 0x1p-24f;
   return -log_positive(-log_positive(u));
 }
 
 // The largest noise gumbel16 gives (at u = 1 - 2^-24), rounded up: a token whose logit * inv_temperature is
 // more than this below a race's current k-th best cannot enter it.
 constexpr float kGumbelMax = 16.7f;
+
+// Whether a token of the 16 from `first`, with `scaled` = logit * inv_temperature, may reach `floor` in the race,
+// from their uniform numbers alone (no logarithm): s + g >= floor needs g >= d = floor - s, i.e. u >= exp(-e^-d),
+// so 1 - u <= e^-d (as exp(-x) >= 1 - x); the test takes 2^(ceil(-d log2 e) + 1) >= 2 e^-d (slack for rounding).  False
+// means no lane can; true, that one may.
+inline bool may_reach(f32x16 scaled, uint64_t seed, int64_t first, float floor) {
+  f32x16 t = (scaled - floor) * 1.44269504f;  // -d log2 e
+  t = select(t < -126.0f, t * 0.0f - 126.0f, select(t > 0.0f, t * 0.0f, t));
+  const i32x16 bound_bits = (convert<i32x16>(t) + 128) << 23;  // 2^(ceil(t) + 1): conversion truncates to ceil
+  const f32x16 one_minus_u = convert<f32x16>((1 << 24) - uniform16(seed, first)) * 0x1p-24f;
+  return any_lane(one_minus_u < vector_cast<f32x16>(bound_bits));
+}
 
 // Tokens first..first+15's entries in the race: logit * inv_temperature + noise (-inf stays -inf: a token
 // excluded by -inf never wins; NaN never enters a TopK).
@@ -83,8 +100,11 @@ struct RowCandidates {
 
   void offer16(f32x16 logits, int64_t first) {
     best.offer16(logits, first);
-    if (inv_temperature > 0.0f && race.reaches(logits * inv_temperature + kGumbelMax))
-      race.offer16(race16(logits, inv_temperature, seed, first), first);
+    if (inv_temperature <= 0.0f) return;
+    const f32x16 scaled = logits * inv_temperature;
+    if (!race.reaches(scaled + kGumbelMax) || (race.full() && !may_reach(scaled, seed, first, race.last())))
+      return;  // the common case: no noise computed
+    race.offer16(race16(logits, inv_temperature, seed, first), first);
   }
 
   void offer_all(const RowCandidates& other) {

@@ -222,8 +222,11 @@ at::Tensor race_rows(const at::Tensor& logits, const at::Tensor& inv_temperature
           std::copy(row + j, row + n, tail);
           l = load16(tail);
         }
-        if (!any_lane(l * inv_t + kGumbelMax > best.value)) continue;  // no token here can win
+        const f32x16 scaled = l * inv_t;
+        if (!any_lane(scaled + kGumbelMax > best.value)) continue;  // no token here can win
+        if (best.token >= 0 && !may_reach(scaled, seed, j, best.value)) continue;
         const f32x16 entry = race16(l, inv_t, seed, j);
+        if (!any_lane(entry > best.value)) continue;
         for (int i = 0; i < kLanes; ++i)
           if (entry[i] > best.value) best.offer(entry[i], j + i);
       }

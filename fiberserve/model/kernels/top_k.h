@@ -31,9 +31,10 @@ class TopK {
   }
 
   // Whether one of 16 values would enter the list (it is not full, or a value is above its k-th best).
-  bool reaches(f32x16 values) const {
-    return index_[k_ - 1] < 0 || any_lane(values > (f32x16{} + value_[k_ - 1]));
-  }
+  bool reaches(f32x16 values) const { return !full() || any_lane(values > (f32x16{} + value_[k_ - 1])); }
+
+  bool full() const { return index_[k_ - 1] >= 0; }
+  float last() const { return value_[k_ - 1]; }  // the k-th best (when full)
 
   // 16 values with consecutive indices from `first`: only the rare lanes above the k-th best are offered.
   void offer16(f32x16 values, int64_t first) {
