@@ -112,8 +112,10 @@ def cmd_peak(args: argparse.Namespace) -> int:
     flops = linear_flops(read_config(args.model or default_model_path(args.cache_dir)))
     print(peaks.describe())
     print(f"GFLOP per generated token {flops.generated / 1e9:.3f}, per prompt token {flops.prompt / 1e9:.3f}")
-    for kind in ("bf16", "amx_bf16", "int8", "q4_1"):
+    for kind in ("bf16", "amx_bf16", "int8", "q4_1", "fp32"):
         print(f"decode-only bound at the {kind} peak: {bound_tokens_per_s(getattr(peaks, kind), flops):.0f} tokens/s")
+    name, peak = peaks.vector
+    print(f"decode-only bound at the vector peak ({name}): {bound_tokens_per_s(peak, flops):.0f} tokens/s")
     return 0
 
 

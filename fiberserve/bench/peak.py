@@ -67,6 +67,12 @@ class Peaks:
     q4_1: float
     amx_bf16: float  # tdpbf16ps on AMX tiles (Intel Xeon from Sapphire Rapids on)
 
+    @property
+    def vector(self) -> tuple[str, float]:
+        """The vector peak a throughput is judged against: bf16 (``vdpbf16ps``) where the CPU has it, else fp32
+        multiply-adds (``vfmadd231ps``); its name and ops/s."""
+        return ("bf16", self.bf16) if self.bf16 else ("fp32", self.fp32)
+
     def describe(self) -> str:
         def rate(ops: float, unit: str) -> str:
             return f"{ops / 1e9:.0f} {unit}" if ops else "- (the CPU lacks it)"

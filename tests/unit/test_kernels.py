@@ -499,6 +499,33 @@ def test_refined_argmax_is_the_argmax_of_the_refined_logits(weight_dtype):
     assert bool((picked == rest).any()) and bool((picked != rest).any())
 
 
+def test_race_rows_picks_a_kept_token_from_the_row_alone():
+    """A row's draw depends on its logits, temperature and seed only (alone or in a batch, any thread count), never
+    picks an excluded (-inf) token, reaches the tokens past the last group of 16, and a row with no finite logit
+    gives -1."""
+    torch.manual_seed(5)
+    rows, vocab = 24, 1000  # 62 groups of 16 and a tail of 8
+    logits = torch.randn(rows, vocab) * 2
+    logits[:, 500:] = float("-inf")
+    logits[5, :] = float("-inf")
+    logits[6, :-3] = float("-inf")
+    logits[6, -3:] = torch.tensor([0.5, -0.5, 1.0])  # only the tail is kept
+    inverse = torch.linspace(0.5, 3.0, rows)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (rows,))
+    picked = kernels.race_rows(logits, inverse, seeds)
+    assert picked[5] == -1 and vocab - 3 <= picked[6] < vocab
+    assert bool((picked[picked >= 0] < 500).sum() == rows - 2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for row in (0, 7, rows - 1):
+            assert kernels.race_rows(logits[row : row + 1], inverse[row : row + 1], seeds[row : row + 1]) == picked[row]
+    finally:
+        torch.set_num_threads(threads)
+    other = kernels.race_rows(logits, inverse, seeds + 1)  # the seed decides the draw
+    assert bool((other != picked).any())
+
+
 @pytest.mark.skipif(not kernels.bf16_gemm_available(), reason="this CPU has neither AVX512-BF16 nor AVX2")
 def test_bf16_linear_top_k_is_top_k_rows_of_the_product_bit_for_bit():
     """As for quant_linear_top_k: one row tile (the column split) and several (the (group, row tile) split), with

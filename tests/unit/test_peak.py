@@ -66,6 +66,14 @@ def test_bench_peak_command_prints_the_peaks_and_bounds(model_path, cache_dir, c
     assert "decode-only bound at the bf16 peak" in out and "vdpbf16ps" in out
     assert "decode-only bound at the amx_bf16 peak" in out and "tdpbf16ps" in out
     assert "decode-only bound at the q4_1 peak" in out and "int8 in Q4_1 blocks" in out
+    assert "decode-only bound at the fp32 peak" in out
+    bf16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text().split()
+    assert f"decode-only bound at the vector peak ({'bf16' if bf16 else 'fp32'})" in out
+
+
+def test_the_vector_peak_is_bf16_where_the_cpu_has_it_else_fp32():
+    assert Peaks(threads=2, fp32=203e9, bf16=0, int8=0, q4_1=0, amx_bf16=0).vector == ("fp32", 203e9)
+    assert Peaks(threads=2, fp32=203e9, bf16=700e9, int8=0, q4_1=0, amx_bf16=0).vector == ("bf16", 700e9)
 
 
 def test_a_peak_the_cpu_lacks_is_said_so_not_zero():

@@ -47,13 +47,15 @@ def test_report_ratios_and_compute_bound_shares(tmp_path):
     # C=64: 1000 tok/s is 100% of the bf16 bound (1e12 / 1e9);
     # (10000 x 1e9 + 5000 x 0.5e9) / 10 s = 1250 GOP/s: 125% / 31% / 62% / 100%
     assert "| fiberserve | 64 | 1000.0 | 0.50 | 100% | 1250 | 125% | 31% | 62% | 100% |" in text
+    assert "of bf16 bound" in text
     assert "int8 in Q4_1 blocks 1250 GOP/s (62% of int8)" in text
     assert "| vLLM | 64 |" not in text  # shares only for our own rows
     assert "## Analysis" not in text and "Targets" not in text  # figures only
     # a CPU without AVX512-BF16 / VNNI measures no such peak: "-" rather than a division by zero
     no_dot = Peaks(threads=2, fp32=5e11, bf16=0.0, int8=0.0, q4_1=0.0, amx_bf16=0.0)
     text = render("c", [1, 64], series, {}, {}, servers, [], no_dot, flops)
-    assert "| fiberserve | 64 | 1000.0 | 0.50 | - | 1250 | - | - | - | - |" in text
+    # its vector peak is fp32's (5e11): a bound of 500 tokens/s, so C=64 is at 200% of it
+    assert "| fiberserve | 64 | 1000.0 | 0.50 | 200% | 1250 | - | - | - | - |" in text and "of fp32 bound" in text
     assert "bf16 peak: none (the CPU lacks the instruction);" in text
     assert "![throughput and latency](bench-results/benchmarks.png)" in text  # the default output's plot
     moved = render("c", [1], series, {}, {}, servers, [], no_dot, flops, plot="../out/benchmarks.png")
