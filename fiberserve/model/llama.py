@@ -458,9 +458,10 @@ class LlamaModel:
                 return picked.tolist()
         logits = self._logits(h)
         picks = argmax_rows(logits)
-        if race is not None:
+        if race is not None:  # the race runs on the CPU kernels, whatever the model's device
+            kernels.load()
             drawn = (race[0] > 0).nonzero()[:, 0]
-            raced = kernels.race_rows(logits[drawn], race[0][drawn], race[1][drawn]).tolist()
+            raced = kernels.race_rows(logits[drawn.to(logits.device)].cpu(), race[0][drawn], race[1][drawn]).tolist()
             for row, token in zip(drawn.tolist(), raced, strict=True):
                 picks[row] = token if token >= 0 else picks[row]
         return picks

@@ -320,20 +320,23 @@ def test_greedy_gives_the_argmax_of_forward(tiny_dirs, quantization):
     assert tokens == kernels.top_k_rows(logits, 1)[1][:, 0].tolist() == logits.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("quantization", ["none", "int4"])
-def test_pick_draws_what_the_race_over_forward_draws(tiny_dirs, quantization):
-    """``pick`` with a race (the head's kernel keeps each row's top logits and race entries; no logits written)
-    gives exactly ``race_rows`` over ``forward``'s re-scored logits for sampled rows and the argmax for greedy
-    ones, whether the winner is among the re-scored candidates or not."""
+@pytest.mark.parametrize(
+    ("quantization", "dtype"), [("none", torch.bfloat16), ("int4", torch.bfloat16), ("none", torch.float32)]
+)
+def test_pick_draws_what_the_race_over_forward_draws(tiny_dirs, quantization, dtype):
+    """``pick`` with a race (in bf16 the head's kernel keeps each row's top logits and race entries, no logits
+    written; in float32 the logits are written and raced) gives exactly ``race_rows`` over ``forward``'s re-scored
+    logits for sampled rows and the argmax for greedy ones, whether the winner is among the re-scored candidates
+    or not."""
     from fiberserve.model import kernels
     from fiberserve.model.linear import quant_kernel_available
     from fiberserve.model.llama import REFINED_LOGITS
 
     if quantization == "int4" and not quant_kernel_available():
         pytest.skip("the int4 mode's head runs on the extension's kernel (AVX512-VNNI or AVX2)")
-    model = LlamaModel(load_checkpoint(tiny_dirs["gguf"]), torch.bfloat16, quantization=quantization)
+    model = LlamaModel(load_checkpoint(tiny_dirs["gguf"]), dtype, quantization=quantization)
     batch = prefill_batch([(TOKENS * 2, [3, 1, 4, 0, 5, 9]), (TOKENS[:7], [2, 6])])
-    cache = KVCache(model.config, 16, PAGE, torch.bfloat16, "cpu")
+    cache = KVCache(model.config, 16, PAGE, dtype, "cpu")
     logits = model.forward(batch, cache)
     rows = logits.shape[0]
     inverse = torch.tensor([0.0 if row % 5 == 0 else (0.5, 1.0, 3.0)[row % 3] for row in range(rows)])
