@@ -54,8 +54,8 @@ def sample(logits: torch.Tensor, seqs: Rows[Sequence], positions: Rows[int]) -> 
         chosen[greedy] = torch.tensor(argmax_rows(rows), dtype=torch.long)
     if drawn:
         rows = adjusted if len(drawn) == len(params) else adjusted[drawn]
-        seeds = torch.tensor([row_seed(seqs[i].sampling_key, positions[i]) for i in drawn], dtype=torch.long)
-        chosen[drawn] = draw(rows, [params[i] for i in drawn], seeds)
+        race = race_parameters([seqs[i] for i in drawn], [positions[i] for i in drawn])
+        chosen[drawn] = draw(rows, [params[i] for i in drawn], race)
     return with_logprobs(logits, chosen, params)
 
 
@@ -117,12 +117,12 @@ def _index(pairs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(pairs[0], dtype=torch.long), torch.tensor(pairs[1], dtype=torch.long)
 
 
-def draw(logits: torch.Tensor, params: list[SamplingParams], seeds: torch.Tensor) -> torch.Tensor:
-    """Row ``i``'s token drawn from ``logits[i]`` under ``params[i]`` (temperature, top-k, top-p, min-p) by the race
-    seeded ``seeds[i]`` over the tokens its truncation keeps."""
+def draw(logits: torch.Tensor, params: list[SamplingParams], race: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Row ``i``'s token drawn from ``logits[i]`` under ``params[i]`` (temperature, top-k, top-p, min-p) by its race
+    (:func:`race_parameters` of the sampled rows) over the tokens its truncation keeps."""
     kernels.load()
     vocab = logits.shape[-1]
-    inverse = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
+    inverse, seeds = race
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     top_p, min_p = [p.top_p for p in params], [p.min_p for p in params]
     if any(top_k) or any(p < 1.0 for p in top_p) or any(min_p):

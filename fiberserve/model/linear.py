@@ -80,18 +80,12 @@ class Linear:
         extension's ``bf16_linear`` (no scales or mins), else None."""
         return (self.weight, None, None, self.bias) if self.bf16_kernel else None
 
-    def top_k(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The ``k`` largest outputs of each row of the float32 product, as :func:`.kernels.top_k_rows` would pick
-        them, without writing the product (``bf16_linear``, no bias); None elsewhere."""
-        if not self.bf16_kernel or self.bias is not None:
-            return None
-        return kernels.bf16_linear_top_k(x, self.weight, k)
-
     def race(
         self, x: torch.Tensor, k: int, inv_temperature: torch.Tensor, seeds: torch.Tensor
     ) -> RaceCandidates | None:
-        """:meth:`top_k`, and each sampled row's ``k`` best race entries (:func:`.kernels.bf16_linear_race`);
-        None where :meth:`top_k` is."""
+        """Each row's ``k`` largest outputs of the float32 product (as :func:`.kernels.top_k_rows` would pick them)
+        and its ``k`` best race entries, without writing the product (:func:`.kernels.bf16_linear_race`, no
+        bias); None elsewhere."""
         if not self.bf16_kernel or self.bias is not None:
             return None
         return kernels.bf16_linear_race(x, self.weight, k, inv_temperature, seeds)
@@ -162,18 +156,10 @@ class QuantLinear:
         extension's ``quant_linear``, else None."""
         return (self.weight, self.scales, self.mins, self.bias) if self.native else None
 
-    def top_k(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The ``k`` largest outputs of each row of the float32 product, as :func:`.kernels.top_k_rows` would pick
-        them, without writing the product (the extension's kernel, no bias); None elsewhere."""
-        if not self.native or self.bias is not None:
-            return None
-        return kernels.quant_linear_top_k(x, self.weight, self.scales, self.mins, k)
-
     def race(
         self, x: torch.Tensor, k: int, inv_temperature: torch.Tensor, seeds: torch.Tensor
     ) -> RaceCandidates | None:
-        """:meth:`top_k`, and each sampled row's ``k`` best race entries (:func:`.kernels.quant_linear_race`);
-        None where :meth:`top_k` is."""
+        """As :meth:`Linear.race`, on :func:`.kernels.quant_linear_race`."""
         if not self.native or self.bias is not None:
             return None
         return kernels.quant_linear_race(x, self.weight, self.scales, self.mins, k, inv_temperature, seeds)

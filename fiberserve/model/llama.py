@@ -443,25 +443,21 @@ class LlamaModel:
         written nor read back (64 rows: 12.6 MB written, then read by the re-scoring's top-k pass and again by
         the argmax or the sampler)."""
         h = self._final_hidden(batch, cache)
-        k = REFINED_LOGITS + 1  # the re-scored candidates and the best of the rest
-        if race is not None and not bool((race[0] > 0).any()):
-            race = None  # argmax rows only
-        capped = self.config.final_softcap is not None and race is not None  # the cap is monotonic: argmax keeps it
+        rows, k = h.shape[0], REFINED_LOGITS + 1  # the re-scored candidates and the best of the rest
+        inverse, seeds = race if race is not None else (torch.zeros(rows), torch.zeros(rows, dtype=torch.long))
+        drawn = (inverse > 0).nonzero()[:, 0]
+        capped = self.config.final_softcap is not None and len(drawn) > 0  # the cap is monotonic: argmax keeps it
         if self.dtype != torch.float32 and k < self.config.vocab_size and not capped:
-            x, picked = h.to(self.dtype), None
-            if race is not None:
-                found = self.logits.race(x, k, *race)
-                picked = None if found is None else kernels.refined_race(found, h, self.lm_head, *race)
-            elif (top := self.logits.top_k(x, k)) is not None:
-                picked = kernels.refined_argmax(*top, h, self.lm_head)
-            if picked is not None and bool((picked >= 0).all()):  # else a row of NaN: the logits below decide
-                return picked.tolist()
+            found = self.logits.race(h.to(self.dtype), k, inverse, seeds)
+            if found is not None:
+                picked = kernels.refined_race(found, h, self.lm_head, inverse, seeds)
+                if bool((picked >= 0).all()):  # else a row of NaN: the logits below decide
+                    return picked.tolist()
         logits = self._logits(h)
         picks = argmax_rows(logits)
-        if race is not None:  # the race runs on the CPU kernels, whatever the model's device
+        if len(drawn):  # the race runs on the CPU kernels, whatever the model's device
             kernels.load()
-            drawn = (race[0] > 0).nonzero()[:, 0]
-            raced = kernels.race_rows(logits[drawn.to(logits.device)].cpu(), race[0][drawn], race[1][drawn]).tolist()
+            raced = kernels.race_rows(logits[drawn.to(logits.device)].cpu(), inverse[drawn], seeds[drawn]).tolist()
             for row, token in zip(drawn.tolist(), raced, strict=True):
                 picks[row] = token if token >= 0 else picks[row]
         return picks

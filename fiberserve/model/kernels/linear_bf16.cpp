@@ -267,15 +267,16 @@ void product(const Row* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t bl
 }
 
 // The product's k largest outputs per row, as top_k_rows of the float32 product would find them, and a sampled
-// row's race (RowCandidates), without writing the product (see quant_linear_race): the same (column group, row tile) units as product(), each computed into
-// a thread's scratch of [rows, 64] and offered to the rows' running lists.  For a row, one thread's units all
-// lie below the next thread's in column order, so merging the lists in thread order keeps ties in index order.
+// row's race (RowCandidates), without writing the product (see quant_linear_race): the same (column group, row
+// tile) units as product(), each computed into a thread's scratch of [rows, 64] and offered to the rows' lists.
+// For a row, one thread's units all lie below the next thread's in column order, so merging the lists in thread
+// order keeps ties in index order.
 template <typename Tiles>
 void product_candidates(const Row* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t blocks, Candidates& out) {
   constexpr int64_t H = Tiles::kHeight;
   const int64_t block_stride = K * kBlock, row_tiles = (M + H - 1) / H, groups = (blocks + kCols - 1) / kCols;
   const int64_t threads = at::get_num_threads();
-  std::vector<RowCandidates> lists = out.lists(threads, M, out.values.size(1));
+  std::vector<RowCandidates> lists = out.lists(threads, M);
   at::parallel_for(0, groups * row_tiles, 1, [&](int64_t begin, int64_t end) {
     typename Tiles::Scope scope;
     RowCandidates* mine = lists.data() + at::get_thread_num() * M;

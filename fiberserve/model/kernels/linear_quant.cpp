@@ -391,7 +391,7 @@ void column_group_candidates(const QuantizedRows& x, int64_t M, const ColumnBloc
 
 void product_candidates(const QuantizedRows& x, int64_t M, const Weights& weights, Candidates& out) {
   const int64_t threads = at::get_num_threads();
-  std::vector<RowCandidates> lists = out.lists(threads, M, out.values.size(1));
+  std::vector<RowCandidates> lists = out.lists(threads, M);
   with_format(weights.format, [&](auto format) {
     using F = decltype(format);
     weights.for_each_group(M, nullptr, [&](int64_t g, PrefetchCursor& prefetch, PrefetchCursor& next_group) {

@@ -71,8 +71,8 @@ constexpr float kGumbelMax = 16.7f;
 
 // Whether a token of the 16 from `first`, with `scaled` = logit * inv_temperature, may reach `floor` in the race,
 // from their uniform numbers alone (no logarithm): s + g >= floor needs g >= d = floor - s, i.e. u >= exp(-e^-d),
-// so 1 - u <= e^-d (as exp(-x) >= 1 - x); the test takes 2^(ceil(-d log2 e) + 1) >= 2 e^-d (slack for rounding).  False
-// means no lane can; true, that one may.
+// so 1 - u <= e^-d (as exp(-x) >= 1 - x); the test takes 2^(ceil(-d log2 e) + 1) >= 2 e^-d (slack for
+// rounding).  False means no lane can; true, that one may.
 inline bool may_reach(f32x16 scaled, uint64_t seed, int64_t first, float floor) {
   f32x16 t = (scaled - floor) * 1.44269504f;  // -d log2 e
   t = select(t < -126.0f, t * 0.0f - 126.0f, select(t > 0.0f, t * 0.0f, t));
@@ -133,12 +133,15 @@ struct Candidates {
   }
 
   // Each thread's running lists, [threads][M], each row's set up for its race.
-  std::vector<RowCandidates> lists(int64_t threads, int64_t M, int64_t k) const {
-    std::vector<RowCandidates> out(static_cast<size_t>(threads * M), RowCandidates(k));
+  std::vector<RowCandidates> lists(int64_t threads, int64_t M) const {
+    std::vector<RowCandidates> out(static_cast<size_t>(threads * M), RowCandidates(values.size(1)));
     if (!inv_temperature.defined()) return out;
     const float* t = inv_temperature.data_ptr<float>();
     const int64_t* s = seeds.data_ptr<int64_t>();
-    for (int64_t i = 0; i < threads * M; ++i) out[i].inv_temperature = t[i % M], out[i].seed = static_cast<uint64_t>(s[i % M]);
+    for (int64_t i = 0; i < threads * M; ++i) {
+      out[i].inv_temperature = t[i % M];
+      out[i].seed = static_cast<uint64_t>(s[i % M]);
+    }
     return out;
   }
 
@@ -155,9 +158,11 @@ struct Candidates {
   }
 
  private:
-  static void write(const TopK& list, int64_t r, at::Tensor& v, at::Tensor& ix) {
+  static void write(const TopK& list, int64_t r, at::Tensor& values, at::Tensor& indices) {
     const int64_t k = list.k();
-    for (int64_t i = 0; i < k; ++i) v.data_ptr<float>()[r * k + i] = list.value(i), ix.data_ptr<int64_t>()[r * k + i] = list.index(i);
+    float* v = values.data_ptr<float>() + r * k;
+    int64_t* ix = indices.data_ptr<int64_t>() + r * k;
+    for (int64_t i = 0; i < k; ++i) v[i] = list.value(i), ix[i] = list.index(i);
   }
 };
 

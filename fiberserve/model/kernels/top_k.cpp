@@ -113,15 +113,15 @@ struct Best {
 };
 
 // Each row's pick from its head candidates (see refined_race), rows in parallel.
-at::Tensor refined_picks(const at::Tensor& values, const at::Tensor& indices, const at::Tensor& race_values,
-                         const at::Tensor& race_indices, const at::Tensor& hidden, const at::Tensor& weight,
-                         const float* inv_temperature, const int64_t* seeds) {
+at::Tensor refined_picks(const char* op, const at::Tensor& values, const at::Tensor& indices,
+                         const at::Tensor& race_values, const at::Tensor& race_indices, const at::Tensor& hidden,
+                         const at::Tensor& weight, const float* inv_temperature, const int64_t* seeds) {
   TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kFloat && indices.scalar_type() == at::kLong &&
                   indices.sizes() == values.sizes() && values.size(1) >= 2,
-              "refined_argmax: values float32 and indices int64 [rows, k + 1], k >= 1");
+              op, ": values float32 and indices int64 [rows, k + 1], k >= 1");
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.size(0) == values.size(0),
-              "refined_argmax: hidden must be float32 [rows, width]");
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == hidden.size(1), "refined_argmax: weight must be [vocab, width]");
+              op, ": hidden must be float32 [rows, width]");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == hidden.size(1), op, ": weight must be [vocab, width]");
   const bool race = inv_temperature != nullptr;
   TORCH_CHECK(!race || (race_values.sizes() == values.sizes() && race_values.scalar_type() == at::kFloat &&
                         race_indices.sizes() == values.sizes() && race_indices.scalar_type() == at::kLong),
@@ -166,7 +166,7 @@ at::Tensor refined_picks(const at::Tensor& values, const at::Tensor& indices, co
   switch (w.scalar_type()) {
     case at::kFloat: run(float{}); break;
     case at::kBFloat16: run(c10::BFloat16{}); break;
-    default: TORCH_CHECK(false, "refined_argmax: weight must be float32 or bfloat16, not ", w.scalar_type());
+    default: TORCH_CHECK(false, op, ": weight must be float32 or bfloat16, not ", w.scalar_type());
   }
   return picked;
 }
@@ -183,15 +183,16 @@ std::pair<at::Tensor, at::Tensor> race_parameters(const at::Tensor& inv_temperat
 
 at::Tensor refined_argmax(const at::Tensor& values, const at::Tensor& indices, const at::Tensor& hidden,
                           const at::Tensor& weight) {
-  return refined_picks(values, indices, at::Tensor(), at::Tensor(), hidden, weight, nullptr, nullptr);
+  return refined_picks("refined_argmax", values, indices, at::Tensor(), at::Tensor(), hidden, weight, nullptr,
+                       nullptr);
 }
 
 at::Tensor refined_race(const at::Tensor& values, const at::Tensor& indices, const at::Tensor& race_values,
                         const at::Tensor& race_indices, const at::Tensor& hidden, const at::Tensor& weight,
                         const at::Tensor& inv_temperature, const at::Tensor& seeds) {
   const auto [t, s] = race_parameters(inv_temperature, seeds, values.size(0));
-  return refined_picks(values, indices, race_values, race_indices, hidden, weight, t.data_ptr<float>(),
-                       s.data_ptr<int64_t>());
+  return refined_picks("refined_race", values, indices, race_values, race_indices, hidden, weight,
+                       t.data_ptr<float>(), s.data_ptr<int64_t>());
 }
 
 at::Tensor race_rows(const at::Tensor& logits, const at::Tensor& inv_temperature, const at::Tensor& seeds) {
