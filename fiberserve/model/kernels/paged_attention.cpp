@@ -131,6 +131,11 @@ constexpr int64_t kTransposeOnceTiles = 4;  // fewest tiles of a span for which 
 // or inside a prefill chunk of any length.
 constexpr int kTileRows = 2;  // with G x head_dim / 16 sums per row in registers, 2 rows fill them
 
+// Vector registers the weighted sums' accumulators may take (of 32 zmm, or of 16 ymm where a 16-lane vector is two
+// halves), and the registers one 16-lane vector takes.
+constexpr int kRegistersPerVector = kIsHalves<f32x16> ? 2 : 1;
+constexpr int kSumRegisters = kIsHalves<f32x16> ? 12 : 24;
+
 template <typename scalar_t, int kChunks, int kGroup = 0>
 struct Attend {
   const scalar_t *q, *k, *v;
@@ -219,6 +224,11 @@ struct Attend {
     if constexpr (kPairs<scalar_t, kChunks>) {
       pair_scores<kR>(row0, head, first_pass, keys, scores.data(), width);
     } else {
+      // The tile's queries widened to float32 once (exactly), rather than once per key.
+      alignas(64) float wide_queries[kR][kG][kC * kLanes];
+      for (int r = 0; r < kR; ++r)
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t c = 0; c < C; ++c) store16(wide_queries[r][g] + c * kLanes, load16(query_row(r, g) + c * kLanes));
       for (int64_t block = lo; block < hi; block += kLanes) {
         f32x16 partial[kR][kG][kLanes];
         for (int64_t j = 0, count = std::min<int64_t>(kLanes, hi - block); j < count; ++j) {
@@ -231,7 +241,7 @@ struct Attend {
           for (int64_t c = 0; c < C; ++c) key[c] = load16(key_row + c * kLanes);
           for (int r = 0; r < kR; ++r)
             for (int64_t g = 0; g < G; ++g) {
-              const scalar_t* query = query_row(r, g);
+              const float* query = wide_queries[r][g];
               f32x16 sum = load16(query) * key[0];
               for (int64_t c = 1; c < C; ++c) sum += load16(query + c * kLanes) * key[c];
               partial[r][g][j] = sum;
@@ -269,27 +279,32 @@ struct Attend {
       return;
     }
 
-    // Each output dim sums p * value over the row's keys in order, in float32.
-    f32x16 acc[kR][kG][kC];
-    for (int r = 0; r < kR; ++r)
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t c = 0; c < C; ++c) acc[r][g][c] = f32x16{};
-    for (int64_t position = keys.begin; position < hi; ++position) {
-      const scalar_t* value_row = v + keys.slots[position - lo] + head * D;
-      for (int64_t c = 0; c < C; ++c) key[c] = load16(value_row + c * kLanes);
-      for (int r = 0; r < kR; ++r) {
-        if (position < keys.first[r] || position >= keys.last[r]) continue;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = row_scores(r, g)[position - lo];
-          for (int64_t c = 0; c < C; ++c) acc[r][g][c] += p * key[c];
+    // Each output dim sums p * value over the row's keys in order, in float32, kDimChunks chunks of 16 dims at a
+    // time so that their sums stay in registers (the order of each dim's sum does not depend on the blocking).
+    constexpr int kDimChunks = std::clamp(kSumRegisters / (kR * kG * kRegistersPerVector), 1, kC);
+    for (int64_t c0 = 0; c0 < C; c0 += kDimChunks) {
+      const int64_t chunks = std::min<int64_t>(kDimChunks, C - c0);
+      f32x16 acc[kR][kG][kDimChunks];
+      for (int r = 0; r < kR; ++r)
+        for (int64_t g = 0; g < G; ++g)
+          for (int c = 0; c < kDimChunks; ++c) acc[r][g][c] = f32x16{};
+      for (int64_t position = keys.begin; position < hi; ++position) {
+        const scalar_t* value_row = v + keys.slots[position - lo] + head * D + c0 * kLanes;
+        for (int64_t c = 0; c < chunks; ++c) key[c] = load16(value_row + c * kLanes);
+        for (int r = 0; r < kR; ++r) {
+          if (position < keys.first[r] || position >= keys.last[r]) continue;
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = row_scores(r, g)[position - lo];
+            for (int64_t c = 0; c < chunks; ++c) acc[r][g][c] += p * key[c];
+          }
         }
       }
-    }
-    for (int r = 0; r < kR; ++r) {
-      scalar_t* o = out + ((row0 + r) * heads + head * G) * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = 1.0f / total[r][g];
-        for (int64_t c = 0; c < C; ++c) store16(o + g * D + c * kLanes, acc[r][g][c] * inv);
+      for (int r = 0; r < kR; ++r) {
+        scalar_t* o = out + ((row0 + r) * heads + head * G) * D + c0 * kLanes;
+        for (int64_t g = 0; g < G; ++g) {
+          const float inv = 1.0f / total[r][g];
+          for (int64_t c = 0; c < chunks; ++c) store16(o + g * D + c * kLanes, acc[r][g][c] * inv);
+        }
       }
     }
   }

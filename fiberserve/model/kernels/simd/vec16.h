@@ -23,6 +23,10 @@ typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
+// Whether a vector type is simd/vec16_halves.h's pair of 8-lane halves (never, here).
+template <typename T>
+constexpr bool kIsHalves = false;
+
 template <typename To, typename From>
 inline To convert(From v) {
   return __builtin_convertvector(v, To);
