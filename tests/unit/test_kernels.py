@@ -16,6 +16,12 @@ kernels.load()
 PAGE = 4
 
 
+def greedy_candidates(race_op, x, *weights, k):
+    """A head kernel's race op (``bf16_linear_race``, ``quant_linear_race``) for greedy rows: values, indices."""
+    rows = x.shape[0]
+    return race_op(x, *weights, k, torch.zeros(rows), torch.zeros(rows, dtype=torch.long))[:2]
+
+
 def reference_attention(q, k, v, tables, spans, keys, window=None, softcap=None):
     """Row by row with PyTorch in float32: each row sees its span's first ``keys`` positions (their last
     ``window``), scores capped as transformers' Gemma 2 caps them."""
@@ -275,7 +281,7 @@ def test_bf16_linear_on_amx_tiles_keeps_every_row_exact_at_any_count():
             kernels.bf16_linear(x, packed, bias),
             gated(x, torch.bfloat16),
         )
-        top_values, top_indices = kernels.bf16_linear_top_k(x, packed, 8)
+        top_values, top_indices = greedy_candidates(kernels.bf16_linear_race, x, packed, k=8)
         torch.testing.assert_close(wide, x.float() @ weight.float().t() + bias, atol=1e-3, rtol=1e-4)
         for rows in [1, 2, 5, 15, 16, 17, 31, 33]:
             assert torch.equal(kernels.bf16_linear(x[:rows], packed, bias), out[:rows]), rows
@@ -283,7 +289,7 @@ def test_bf16_linear_on_amx_tiles_keeps_every_row_exact_at_any_count():
         assert torch.equal(kernels.bf16_linear(x[21:22], packed, bias, torch.float32)[0], wide[21])
         no_bias = kernels.bf16_linear(x[:17], packed, None, torch.float32)
         assert torch.equal(kernels.top_k_rows(no_bias, 8)[0], top_values[:17])
-        assert torch.equal(kernels.bf16_linear_top_k(x[:17], packed, 8)[1], top_indices[:17])
+        assert torch.equal(greedy_candidates(kernels.bf16_linear_race, x[:17], packed, k=8)[1], top_indices[:17])
         assert not kernels.bf16_amx(False)
         vector = kernels.bf16_linear(x, packed, bias, torch.float32)
         torch.testing.assert_close(vector, wide, atol=1e-3, rtol=1e-4)
@@ -455,7 +461,7 @@ def test_refine_top_logits_rescores_the_top_k_as_float64_dot_products(weight_dty
 
 @pytest.mark.skipif(not kernels.quant_gemm_available(), reason="this CPU has neither AVX512-VNNI nor AVX2")
 @pytest.mark.parametrize("kind", QUANT_FORMATS)
-def test_quant_linear_top_k_is_top_k_rows_of_the_product_bit_for_bit(kind):
+def test_quant_linear_race_keeps_top_k_rows_of_the_product_bit_for_bit(kind):
     """The top k kept as the tiles go equal top_k_rows of the written product: values, indices and the order of
     ties (outputs 5 and 300 have the same weights, so every row ties them, 5 first, across the threads' ranges)."""
     torch.manual_seed(11)
@@ -470,17 +476,17 @@ def test_quant_linear_top_k_is_top_k_rows_of_the_product_bit_for_bit(kind):
     for rows in (1, 6, 13):
         product = kernels.quant_linear(x[:rows], *packed, None, torch.float32)
         for k in (1, 17, 64):
-            values, indices = kernels.quant_linear_top_k(x[:rows], *packed, k)
+            values, indices = greedy_candidates(kernels.quant_linear_race, x[:rows], *packed, k=k)
             expected_values, expected_indices = kernels.top_k_rows(product, k)
             assert torch.equal(values, expected_values) and torch.equal(indices, expected_indices)
     assert torch.equal(product[:, 5], product[:, 300])
-    order = kernels.quant_linear_top_k(x, *packed, 64)[1].tolist()
+    order = greedy_candidates(kernels.quant_linear_race, x, *packed, k=64)[1].tolist()
     assert any(5 in row for row in order)
     assert all(row.index(5) < row.index(300) for row in order if 5 in row and 300 in row)
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-def test_refined_argmax_is_the_argmax_of_the_refined_logits(weight_dtype):
+def test_refined_race_of_a_greedy_row_is_the_argmax_of_the_refined_logits(weight_dtype):
     """From the k + 1 best coarse logits alone: the argmax over the row once its k best are re-scored, including
     rows where the best of the rest (not re-scored) wins, and a row of NaN (no candidate: -1)."""
     torch.manual_seed(3)
@@ -493,7 +499,9 @@ def test_refined_argmax_is_the_argmax_of_the_refined_logits(weight_dtype):
     refined = logits.clone()
     kernels.refine_top_logits(refined, hidden, weight, k)
     expected = kernels.top_k_rows(refined, 1)[1][:, 0]
-    picked = kernels.refined_argmax(*kernels.top_k_rows(logits, k + 1), hidden, weight)
+    candidates = kernels.top_k_rows(logits, k + 1)  # a greedy row's race lists are not read
+    greedy = torch.zeros(rows), torch.zeros(rows, dtype=torch.long)
+    picked = kernels.refined_race((*candidates, *candidates), hidden, weight, *greedy)
     assert torch.equal(picked, expected) and picked[3] == -1
     rest = kernels.top_k_rows(logits, k + 1)[1][:, k]
     assert bool((picked == rest).any()) and bool((picked != rest).any())
@@ -527,8 +535,8 @@ def test_race_rows_picks_a_kept_token_from_the_row_alone():
 
 
 @pytest.mark.skipif(not kernels.bf16_gemm_available(), reason="this CPU has neither AVX512-BF16 nor AVX2")
-def test_bf16_linear_top_k_is_top_k_rows_of_the_product_bit_for_bit():
-    """As for quant_linear_top_k: one row tile (the column split) and several (the (group, row tile) split), with
+def test_bf16_linear_race_keeps_top_k_rows_of_the_product_bit_for_bit():
+    """As for quant_linear_race: one row tile (the column split) and several (the (group, row tile) split), with
     outputs 5 and 300 tied in every row."""
     torch.manual_seed(12)
     weight = torch.randn(400, 96).bfloat16()
@@ -539,8 +547,8 @@ def test_bf16_linear_top_k_is_top_k_rows_of_the_product_bit_for_bit():
     for rows in (1, 6, 13):
         product = kernels.bf16_linear(x[:rows], packed, None, torch.float32)
         for k in (1, 17, 64):
-            values, indices = kernels.bf16_linear_top_k(x[:rows], packed, k)
+            values, indices = greedy_candidates(kernels.bf16_linear_race, x[:rows], packed, k=k)
             expected_values, expected_indices = kernels.top_k_rows(product, k)
             assert torch.equal(values, expected_values) and torch.equal(indices, expected_indices)
-    order = kernels.bf16_linear_top_k(x, packed, 64)[1].tolist()
+    order = greedy_candidates(kernels.bf16_linear_race, x, packed, k=64)[1].tolist()
     assert all(row.index(5) < row.index(300) for row in order)

@@ -278,25 +278,12 @@ def quant_linear(
     return torch.ops.fiberserve.quant_linear(x, packed, scales, mins, bias, out_dtype, gated)
 
 
-def bf16_linear_top_k(x: torch.Tensor, packed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``top_k_rows(bf16_linear(x, packed, None, torch.float32), k)``, the same values and indices, without writing
-    the product: each row's running top ``k`` is kept as the tiles produce its outputs."""
-    return torch.ops.fiberserve.bf16_linear_top_k(x, packed, k)
-
-
-def quant_linear_top_k(
-    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``top_k_rows(quant_linear(x, packed, scales, mins, None, torch.float32), k)``, the same values and indices,
-    without writing the product: each row's running top ``k`` is kept as the tiles produce its outputs."""
-    return torch.ops.fiberserve.quant_linear_top_k(x, packed, scales, mins, k)
-
-
 def bf16_linear_race(
     x: torch.Tensor, packed: torch.Tensor, k: int, inv_temperature: torch.Tensor, seeds: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`bf16_linear_top_k`, and each row's ``k`` best entries of the race of :func:`race_rows` over the
-    float32 product (rows with ``inv_temperature`` 0 run none): (values, indices, race values, race indices)."""
+    """``top_k_rows(bf16_linear(x, packed, None, torch.float32), k)``, the same values and indices, and each row's
+    ``k`` best entries of the race of :func:`race_rows` over that product (rows with ``inv_temperature`` 0 run
+    none), without writing the product: (values, indices, race values, race indices)."""
     return torch.ops.fiberserve.bf16_linear_race(x, packed, k, inv_temperature, seeds)
 
 
@@ -309,8 +296,7 @@ def quant_linear_race(
     inv_temperature: torch.Tensor,
     seeds: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`quant_linear_top_k`, and each row's ``k`` best entries of the race of :func:`race_rows` over the
-    float32 product (rows with ``inv_temperature`` 0 run none): (values, indices, race values, race indices)."""
+    """As :func:`bf16_linear_race`, for the product ``quant_linear(x, packed, scales, mins, None, torch.float32)``."""
     return torch.ops.fiberserve.quant_linear_race(x, packed, scales, mins, k, inv_temperature, seeds)
 
 
@@ -330,7 +316,7 @@ def refined_race(
     seeds: torch.Tensor,
 ) -> torch.Tensor:
     """Each row's pick over its logits after :func:`refine_top_logits` with ``k``, from a head's race
-    ``candidates`` (with ``k + 1``) alone: :func:`refined_argmax` for a row with ``inv_temperature`` 0, else
+    ``candidates`` (with ``k + 1``) alone: the argmax (first maximum) for a row with ``inv_temperature`` 0, else
     exactly :func:`race_rows`' pick over the re-scored row.  LongTensor [R], -1 for a row of NaN."""
     return torch.ops.fiberserve.refined_race(*candidates, hidden, weight, inv_temperature, seeds)
 
@@ -350,14 +336,6 @@ def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.
     (in a fixed order: the same bits for a row alone or in any batch).  The candidates are
     :func:`top_k_rows`'s."""
     torch.ops.fiberserve.refine_top_logits(logits, hidden, weight, k)
-
-
-def refined_argmax(
-    values: torch.Tensor, indices: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor
-) -> torch.Tensor:
-    """Each row's argmax (the first maximum) of its logits after :func:`refine_top_logits` with ``k``, from
-    ``(values, indices) = top_k_rows(logits, k + 1)`` alone: LongTensor [R] (-1 for a row with no candidate)."""
-    return torch.ops.fiberserve.refined_argmax(values, indices, hidden, weight)
 
 
 def decoder_layers(

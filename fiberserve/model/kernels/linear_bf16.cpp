@@ -378,36 +378,20 @@ at::Tensor bf16_linear_prefetching(const at::Tensor& x, const at::Tensor& packed
   return out;
 }
 
-namespace {
-
-Candidates bf16_linear_candidates(const at::Tensor& x, const at::Tensor& packed, int64_t k,
-                                  const std::optional<at::Tensor>& inv_temperature,
-                                  const std::optional<at::Tensor>& seeds) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16_linear_top_k: x must be bf16 [M, K]");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x.size(1), "bf16_linear_top_k: weight not packed for this K");
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bf16_linear_race(const at::Tensor& x,
+                                                                             const at::Tensor& packed, int64_t k,
+                                                                             const at::Tensor& inv_temperature,
+                                                                             const at::Tensor& seeds) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16_linear_race: x must be bf16 [M, K]");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x.size(1), "bf16_linear_race: weight not packed for this K");
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
-  TORCH_CHECK(k >= 1 && k <= TopK::kMax && k <= blocks * kBlock, "bf16_linear_top_k: k must be in [1, min(64, N)]");
+  TORCH_CHECK(k >= 1 && k <= TopK::kMax && k <= blocks * kBlock, "bf16_linear_race: k must be in [1, min(64, N)]");
   const at::Tensor rows = runs_on_amx(K) ? padded_rows(tile_rows(x)) : tile_rows(x);
   Candidates out(x, M, k, inv_temperature, seeds);
   with_tiles(K, [&](auto tiles) {
     product_candidates<decltype(tiles)>(row_data(rows), M, K,
                                         reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), blocks, out);
   });
-  return out;
-}
-
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor> bf16_linear_top_k(const at::Tensor& x, const at::Tensor& packed, int64_t k) {
-  const Candidates out = bf16_linear_candidates(x, packed, k, std::nullopt, std::nullopt);
-  return {out.values, out.indices};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bf16_linear_race(const at::Tensor& x,
-                                                                             const at::Tensor& packed, int64_t k,
-                                                                             const at::Tensor& inv_temperature,
-                                                                             const at::Tensor& seeds) {
-  const Candidates out = bf16_linear_candidates(x, packed, k, inv_temperature, seeds);
   return {out.values, out.indices, out.race_values, out.race_indices};
 }
 
@@ -425,10 +409,6 @@ at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, const std::optional
 
 at::Tensor bf16_linear_prefetching(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                    at::ScalarType, bool, const PrefetchPlan*) {
-  TORCH_CHECK(false, "bf16_linear: built without AVX2 or AVX512-BF16");
-}
-
-std::tuple<at::Tensor, at::Tensor> bf16_linear_top_k(const at::Tensor&, const at::Tensor&, int64_t) {
   TORCH_CHECK(false, "bf16_linear: built without AVX2 or AVX512-BF16");
 }
 

@@ -507,31 +507,14 @@ at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packe
   return out;
 }
 
-namespace {
-
-Candidates quant_linear_candidates(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                                   const at::Tensor& mins, int64_t k, const std::optional<at::Tensor>& inv_temperature,
-                                   const std::optional<at::Tensor>& seeds) {
-  const Operands op = operands(x, packed, scales, mins);
-  TORCH_CHECK(k >= 1 && k <= TopK::kMax && k <= op.weights.column_blocks * kBlock,
-              "quant_linear_top_k: k must be in [1, min(64, N)]");
-  Candidates out(x, op.M, k, inv_temperature, seeds);
-  product_candidates(op.rows, op.M, op.weights, out);
-  return out;
-}
-
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor> quant_linear_top_k(const at::Tensor& x, const at::Tensor& packed,
-                                                      const at::Tensor& scales, const at::Tensor& mins, int64_t k) {
-  const Candidates out = quant_linear_candidates(x, packed, scales, mins, k, std::nullopt, std::nullopt);
-  return {out.values, out.indices};
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quant_linear_race(
     const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins, int64_t k,
     const at::Tensor& inv_temperature, const at::Tensor& seeds) {
-  const Candidates out = quant_linear_candidates(x, packed, scales, mins, k, inv_temperature, seeds);
+  const Operands op = operands(x, packed, scales, mins);
+  TORCH_CHECK(k >= 1 && k <= TopK::kMax && k <= op.weights.column_blocks * kBlock,
+              "quant_linear_race: k must be in [1, min(64, N)]");
+  Candidates out(x, op.M, k, inv_temperature, seeds);
+  product_candidates(op.rows, op.M, op.weights, out);
   return {out.values, out.indices, out.race_values, out.race_indices};
 }
 
@@ -546,11 +529,6 @@ at::Tensor quant_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&,
 
 at::Tensor quant_linear_prefetching(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                    const std::optional<at::Tensor>&, at::ScalarType, bool, const PrefetchPlan*) {
-  TORCH_CHECK(false, "quant_linear: built without AVX2");
-}
-
-std::tuple<at::Tensor, at::Tensor> quant_linear_top_k(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                      const at::Tensor&, int64_t) {
   TORCH_CHECK(false, "quant_linear: built without AVX2");
 }
 

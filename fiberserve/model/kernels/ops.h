@@ -57,36 +57,23 @@ at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packe
                                    at::ScalarType out_dtype, bool gated, const PrefetchPlan* plan);
 
 // The k largest outputs of each row of bf16_linear(x, packed, none, float32) (values and indices, as top_k_rows),
-// without writing the product.
-std::tuple<at::Tensor, at::Tensor> bf16_linear_top_k(const at::Tensor& x, const at::Tensor& packed, int64_t k);
-
-// The k largest outputs of each row of quant_linear(x, ...) in float32 (values and indices, as top_k_rows), without
-// writing the product.
-std::tuple<at::Tensor, at::Tensor> quant_linear_top_k(const at::Tensor& x, const at::Tensor& packed,
-                                                      const at::Tensor& scales, const at::Tensor& mins, int64_t k);
-
-// bf16_linear_top_k, and for each sampled row (inv_temperature > 0) its k largest race entries (see race.h):
-// (values, indices, race_values, race_indices), each [M, k].
+// without writing the product, and for each sampled row (inv_temperature > 0) its k largest race entries (see
+// race.h): (values, indices, race_values, race_indices), each [M, k].
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bf16_linear_race(const at::Tensor& x,
                                                                              const at::Tensor& packed, int64_t k,
                                                                              const at::Tensor& inv_temperature,
                                                                              const at::Tensor& seeds);
 
-// quant_linear_top_k, and for each sampled row (inv_temperature > 0) its k largest race entries (see race.h):
-// (values, indices, race_values, race_indices), each [M, k].
+// As bf16_linear_race, for the product quant_linear(x, ...) in float32.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quant_linear_race(
     const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins, int64_t k,
     const at::Tensor& inv_temperature, const at::Tensor& seeds);
 
 void refine_top_logits(at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight, int64_t k);
 
-// The argmax of each row's logits after refine_top_logits(k), from top_k_rows(logits, k + 1) alone.
-at::Tensor refined_argmax(const at::Tensor& values, const at::Tensor& indices, const at::Tensor& hidden,
-                          const at::Tensor& weight);
-
 // Each row's pick after refine_top_logits(k) from a head's race candidates alone (quant_linear_race's, with
-// k + 1): refined_argmax for a greedy row (inv_temperature 0), the race's winner over the re-scored logits for a
-// sampled row, exactly as race_rows over the re-scored row would pick.
+// k + 1): for a greedy row (inv_temperature 0) the argmax (first maximum) of the re-scored logits, for a sampled
+// row the race's winner over them, exactly as race_rows over the re-scored row would pick.
 at::Tensor refined_race(const at::Tensor& values, const at::Tensor& indices, const at::Tensor& race_values,
                         const at::Tensor& race_indices, const at::Tensor& hidden, const at::Tensor& weight,
                         const at::Tensor& inv_temperature, const at::Tensor& seeds);

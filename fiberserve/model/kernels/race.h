@@ -14,7 +14,8 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
-#include <optional>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "simd/vec16.h"
@@ -113,21 +114,25 @@ struct RowCandidates {
   }
 };
 
-// What a head's kernel hands back: each row's k largest logits (values, indices [M, k], as top_k_rows), and with
-// a race (inv_temperature float32 [M], 0 for a greedy row; seeds int64 [M]) its k largest race entries too.
+// A race's parameters, checked: inv_temperature float32 and seeds int64, one per row.
+inline std::pair<at::Tensor, at::Tensor> race_parameters(const at::Tensor& inv_temperature, const at::Tensor& seeds,
+                                                         int64_t rows) {
+  const at::Tensor t = inv_temperature.to(at::kFloat).contiguous(), s = seeds.to(at::kLong).contiguous();
+  TORCH_CHECK(t.numel() == rows && s.numel() == rows, "a race needs inv_temperature and seeds [rows]");
+  return {t, s};
+}
+
+// What a head's kernel hands back: each row's k largest logits (values, indices [M, k], as top_k_rows), and its
+// k largest race entries (race_values, race_indices [M, k]; none for a greedy row, inv_temperature 0).
 struct Candidates {
   at::Tensor values, indices, race_values, race_indices;
-  at::Tensor inv_temperature, seeds;  // undefined without a race
+  at::Tensor inv_temperature, seeds;  // float32 and int64 [M]
 
-  Candidates(const at::Tensor& x, int64_t M, int64_t k, const std::optional<at::Tensor>& inv_temperature_,
-             const std::optional<at::Tensor>& seeds_) {
-    TORCH_CHECK(inv_temperature_.has_value() == seeds_.has_value(), "a race needs inv_temperature and seeds");
+  Candidates(const at::Tensor& x, int64_t M, int64_t k, const at::Tensor& inv_temperature_,
+             const at::Tensor& seeds_) {
+    std::tie(inv_temperature, seeds) = race_parameters(inv_temperature_, seeds_, M);
     values = at::empty({M, k}, x.options().dtype(at::kFloat));
     indices = at::empty({M, k}, x.options().dtype(at::kLong));
-    if (!inv_temperature_) return;
-    inv_temperature = inv_temperature_->to(at::kFloat).contiguous();
-    seeds = seeds_->to(at::kLong).contiguous();
-    TORCH_CHECK(inv_temperature.numel() == M && seeds.numel() == M, "a race needs inv_temperature and seeds [rows]");
     race_values = at::empty_like(values);
     race_indices = at::empty_like(indices);
   }
@@ -135,7 +140,6 @@ struct Candidates {
   // Each thread's running lists, [threads][M], each row's set up for its race.
   std::vector<RowCandidates> lists(int64_t threads, int64_t M) const {
     std::vector<RowCandidates> out(static_cast<size_t>(threads * M), RowCandidates(values.size(1)));
-    if (!inv_temperature.defined()) return out;
     const float* t = inv_temperature.data_ptr<float>();
     const int64_t* s = seeds.data_ptr<int64_t>();
     for (int64_t i = 0; i < threads * M; ++i) {
@@ -153,7 +157,7 @@ struct Candidates {
       RowCandidates merged(k);
       for (int64_t t = 0; t < threads; ++t) merged.offer_all(lists[t * M + r]);
       write(merged.best, r, values, indices);
-      if (race_values.defined()) write(merged.race, r, race_values, race_indices);
+      write(merged.race, r, race_values, race_indices);
     }
   }
 

@@ -20,9 +20,6 @@ TORCH_LIBRARY(fiberserve, m) {
   m.def("quant_gemm_available() -> bool");
   m.def("top_k_rows(Tensor x, int k) -> (Tensor, Tensor)");
   m.def("refine_top_logits(Tensor(a!) logits, Tensor hidden, Tensor weight, int k) -> ()");
-  m.def("refined_argmax(Tensor values, Tensor indices, Tensor hidden, Tensor weight) -> Tensor");
-  m.def("bf16_linear_top_k(Tensor x, Tensor packed, int k) -> (Tensor, Tensor)");
-  m.def("quant_linear_top_k(Tensor x, Tensor packed, Tensor scales, Tensor mins, int k) -> (Tensor, Tensor)");
   m.def(
       "bf16_linear_race(Tensor x, Tensor packed, int k, Tensor inv_temperature, Tensor seeds) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
@@ -60,9 +57,6 @@ TORCH_LIBRARY_IMPL(fiberserve, CPU, m) {
   m.impl("quant_linear", &fiberserve::quant_linear);
   m.impl("top_k_rows", &fiberserve::top_k_rows);
   m.impl("refine_top_logits", &fiberserve::refine_top_logits);
-  m.impl("refined_argmax", &fiberserve::refined_argmax);
-  m.impl("quant_linear_top_k", &fiberserve::quant_linear_top_k);
-  m.impl("bf16_linear_top_k", &fiberserve::bf16_linear_top_k);
   m.impl("quant_linear_race", &fiberserve::quant_linear_race);
   m.impl("bf16_linear_race", &fiberserve::bf16_linear_race);
   m.impl("refined_race", &fiberserve::refined_race);

@@ -7,11 +7,12 @@
 // state with each candidate's weight row, accumulated in float64 (a float32 x bf16 product is exact there) and
 // rounded once, without materializing the [rows, k, hidden] products that gathering the weight rows would.
 //
-// refined_argmax is the argmax of those re-scored logits, from k + 1 candidates alone (quant_linear_top_k's, so
-// the logits are never written): the first k re-scored, the last the best of the rest, whose logit stays as it
-// was.  The largest value wins, equal values the lower index, exactly as torch.argmax over the re-scored row.
-// refined_race is the same for a sampled row's race (race.h): the first k candidates' race entries from their
-// re-scored logits, against the best race entry of a token outside them (kept by the head's kernel).
+// refined_race picks each row's token over those re-scored logits from k + 1 candidates alone (a head kernel's,
+// so the logits are never written).  A greedy row takes the argmax: the first k re-scored, the last the best of
+// the rest, whose logit stays as it was; the largest value wins, equal values the lower index, exactly as
+// torch.argmax over the re-scored row.  A sampled row runs its race (race.h): the first k candidates' race
+// entries from their re-scored logits, against the best race entry of a token outside them (kept by the head's
+// kernel).
 //
 // race_rows runs the race over written logits: 16 tokens at a time, and a group's noise is computed only where
 // one of its tokens could still win (its scaled logit within kGumbelMax of the best entry so far).
@@ -113,21 +114,20 @@ struct Best {
 };
 
 // Each row's pick from its head candidates (see refined_race), rows in parallel.
-at::Tensor refined_picks(const char* op, const at::Tensor& values, const at::Tensor& indices,
-                         const at::Tensor& race_values, const at::Tensor& race_indices, const at::Tensor& hidden,
-                         const at::Tensor& weight, const float* inv_temperature, const int64_t* seeds) {
+at::Tensor refined_picks(const at::Tensor& values, const at::Tensor& indices, const at::Tensor& race_values,
+                         const at::Tensor& race_indices, const at::Tensor& hidden, const at::Tensor& weight,
+                         const float* inv_temperature, const int64_t* seeds) {
   TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kFloat && indices.scalar_type() == at::kLong &&
                   indices.sizes() == values.sizes() && values.size(1) >= 2,
-              op, ": values float32 and indices int64 [rows, k + 1], k >= 1");
+              "refined_race: values float32 and indices int64 [rows, k + 1], k >= 1");
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.size(0) == values.size(0),
-              op, ": hidden must be float32 [rows, width]");
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == hidden.size(1), op, ": weight must be [vocab, width]");
-  const bool race = inv_temperature != nullptr;
-  TORCH_CHECK(!race || (race_values.sizes() == values.sizes() && race_values.scalar_type() == at::kFloat &&
-                        race_indices.sizes() == values.sizes() && race_indices.scalar_type() == at::kLong),
+              "refined_race: hidden must be float32 [rows, width]");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == hidden.size(1), "refined_race: weight must be [vocab, width]");
+  TORCH_CHECK(race_values.sizes() == values.sizes() && race_values.scalar_type() == at::kFloat &&
+                  race_indices.sizes() == values.sizes() && race_indices.scalar_type() == at::kLong,
               "refined_race: race_values float32 and race_indices int64 [rows, k + 1]");
   const at::Tensor v = values.contiguous(), ix = indices.contiguous(), h = hidden.contiguous(), w = weight.contiguous();
-  const at::Tensor rv = race ? race_values.contiguous() : v, ri = race ? race_indices.contiguous() : ix;
+  const at::Tensor rv = race_values.contiguous(), ri = race_indices.contiguous();
   const int64_t rows = v.size(0), k = v.size(1) - 1, width = h.size(1);
   at::Tensor picked = at::empty({rows}, ix.options());
   const float *vp = v.data_ptr<float>(), *hp = h.data_ptr<float>(), *rvp = rv.data_ptr<float>();
@@ -140,8 +140,8 @@ at::Tensor refined_picks(const char* op, const at::Tensor& values, const at::Ten
       for (int64_t r = begin; r < end; ++r) {
         const float* value = vp + r * (k + 1);
         const int64_t* index = ip + r * (k + 1);
-        const float inv_t = race ? inv_temperature[r] : 0.0f;
-        const uint64_t seed = race ? static_cast<uint64_t>(seeds[r]) : 0;
+        const float inv_t = inv_temperature[r];
+        const uint64_t seed = static_cast<uint64_t>(seeds[r]);
         Best best;
         int64_t scored = 0;  // the re-scored candidates: the first k (fewer in a row of NaN)
         for (; scored < k && index[scored] >= 0; ++scored) {
@@ -166,32 +166,18 @@ at::Tensor refined_picks(const char* op, const at::Tensor& values, const at::Ten
   switch (w.scalar_type()) {
     case at::kFloat: run(float{}); break;
     case at::kBFloat16: run(c10::BFloat16{}); break;
-    default: TORCH_CHECK(false, op, ": weight must be float32 or bfloat16, not ", w.scalar_type());
+    default: TORCH_CHECK(false, "refined_race: weight must be float32 or bfloat16, not ", w.scalar_type());
   }
   return picked;
 }
 
-// A race's parameters, checked: inv_temperature float32 and seeds int64, one per row.
-std::pair<at::Tensor, at::Tensor> race_parameters(const at::Tensor& inv_temperature, const at::Tensor& seeds,
-                                                  int64_t rows) {
-  const at::Tensor t = inv_temperature.to(at::kFloat).contiguous(), s = seeds.to(at::kLong).contiguous();
-  TORCH_CHECK(t.numel() == rows && s.numel() == rows, "a race needs inv_temperature and seeds [rows]");
-  return {t, s};
-}
-
 }  // namespace
-
-at::Tensor refined_argmax(const at::Tensor& values, const at::Tensor& indices, const at::Tensor& hidden,
-                          const at::Tensor& weight) {
-  return refined_picks("refined_argmax", values, indices, at::Tensor(), at::Tensor(), hidden, weight, nullptr,
-                       nullptr);
-}
 
 at::Tensor refined_race(const at::Tensor& values, const at::Tensor& indices, const at::Tensor& race_values,
                         const at::Tensor& race_indices, const at::Tensor& hidden, const at::Tensor& weight,
                         const at::Tensor& inv_temperature, const at::Tensor& seeds) {
   const auto [t, s] = race_parameters(inv_temperature, seeds, values.size(0));
-  return refined_picks("refined_race", values, indices, race_values, race_indices, hidden, weight,
+  return refined_picks(values, indices, race_values, race_indices, hidden, weight,
                        t.data_ptr<float>(), s.data_ptr<int64_t>());
 }
 

@@ -1,5 +1,5 @@
 // A running top-k list, shared by top_k_rows (over a row of logits) and the products' top-k kernels
-// (quant_linear_top_k, bf16_linear_top_k: over a product's outputs as its tiles produce them, so the logits are
+// (quant_linear_race, bf16_linear_race: over a product's outputs as its tiles produce them, so the logits are
 // never written).
 
 #pragma once
