@@ -70,7 +70,11 @@ inline f32x16 load16(const float* p) { return load_vector<f32x16>(p); }
 
 // bfloat16 is the top half of a float32: widen and shift.
 inline f32x16 load16(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
   return vector_cast<f32x16>(convert<u32x16>(load_vector<u16x16>(p)) << 16);
+#else
+  return widen_bf16(p);
+#endif
 }
 
 inline f32x16 load16(const c10::Half* p) {
