@@ -70,10 +70,10 @@ inline f32x16 load16(const float* p) { return load_vector<f32x16>(p); }
 
 // bfloat16 is the top half of a float32: widen and shift.
 inline f32x16 load16(const c10::BFloat16* p) {
-#if defined(__AVX512F__)
-  return vector_cast<f32x16>(convert<u32x16>(load_vector<u16x16>(p)) << 16);
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  return widen_bf16(p);  // two AVX2 halves (simd/vec16_halves.h)
 #else
-  return widen_bf16(p);
+  return vector_cast<f32x16>(convert<u32x16>(load_vector<u16x16>(p)) << 16);
 #endif
 }
 

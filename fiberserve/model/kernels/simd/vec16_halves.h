@@ -122,18 +122,16 @@ inline void store_vector(void* p, Halves<H> v) {
   std::memcpy(static_cast<char*>(p) + sizeof v.lo, &v.hi, sizeof v.hi);
 }
 
-// 16 bfloat16 widened to float32 (the top half of each lane's bits).  With AVX2 each half is one zero-extending
-// load (vpmovzxwd), where GCC's vector conversion widens through 128-bit halves and inserts.
-inline f32x16 widen_bf16(const void* p) {
 #if defined(__AVX2__)
+// 16 bfloat16 widened to float32 (the top half of each lane's bits), each half by one zero-extending load
+// (vpmovzxwd) and a shift: GCC's vector conversion widens through 128-bit halves and inserts.
+inline f32x16 widen_bf16(const void* p) {
   const auto half = [](const void* q) {
     return (f32x8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(q))), 16);
   };
   return {half(p), half(static_cast<const char*>(p) + 16)};
-#else
-  return vector_cast<f32x16>(convert<u32x16>(load_vector<u16x16>(p)) << 16);
-#endif
 }
+#endif
 
 inline i32x16 lane_index() { return {i32x8{0, 1, 2, 3, 4, 5, 6, 7}, i32x8{8, 9, 10, 11, 12, 13, 14, 15}}; }
 
