@@ -113,7 +113,9 @@ def cmd_peak(args: argparse.Namespace) -> int:
     print(peaks.describe())
     print(f"GFLOP per generated token {flops.generated / 1e9:.3f}, per prompt token {flops.prompt / 1e9:.3f}")
     for kind in ("bf16", "amx_bf16", "int8", "q4_1", "fp32"):
-        print(f"decode-only bound at the {kind} peak: {bound_tokens_per_s(getattr(peaks, kind), flops):.0f} tokens/s")
+        peak = getattr(peaks, kind)
+        bound = f"{bound_tokens_per_s(peak, flops):.0f} tokens/s" if peak else "- (the CPU lacks it)"
+        print(f"decode-only bound at the {kind} peak: {bound}")
     name, peak = peaks.vector
     print(f"decode-only bound at the vector peak ({name}): {bound_tokens_per_s(peak, flops):.0f} tokens/s")
     return 0

@@ -69,6 +69,8 @@ def test_bench_peak_command_prints_the_peaks_and_bounds(model_path, cache_dir, c
     assert "decode-only bound at the fp32 peak" in out
     bf16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text().split()
     assert f"decode-only bound at the vector peak ({'bf16' if bf16 else 'fp32'})" in out
+    assert ("decode-only bound at the bf16 peak: - (the CPU lacks it)" in out) == (not bf16)
+    assert ": 0 tokens/s" not in out  # a peak the CPU lacks is said so, not a bound of 0
 
 
 def test_the_vector_peak_is_bf16_where_the_cpu_has_it_else_fp32():
