@@ -2,13 +2,15 @@
 
 A request whose prompt shares a long prefix with earlier ones goes to the replica that served them, whose prefix
 cache holds that prefix's KV pages, as long as load is balanced (the replicas' queue lengths within
-``imbalance`` of each other); otherwise, and for a prompt nobody has seen, the least loaded replica.
+``imbalance`` of each other); prompts nobody has seen take the replicas in turn while load is balanced (so new
+prefixes, and the cache they fill, spread evenly); otherwise the least loaded replica.
 
 Prefixes are remembered as a chain of hashes over fixed chunks of the prompt's text: chunk i's key hashes chunk
 i's text with chunk i - 1's key, so a key stands for the whole prefix up to it, and the deepest key a prompt
-shares with a routed one is their longest common prefix in whole chunks.  Otherwise the request goes to the
-least loaded replica: every candidate is one rank, shuffled, and Serve probes their queue lengths and takes the
-shortest (equal ones, whichever comes first).
+shares with a routed one is their longest common prefix in whole chunks.  The least loaded replica is Serve's
+choice within a rank: Serve takes the shortest queue among the lengths it has cached, probing only where it has
+none, so within one rank an idle cluster's requests can all land on one replica; hence the single-replica first
+rank while load is balanced.
 """
 
 from __future__ import annotations
@@ -50,16 +52,22 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.owners: OrderedDict[int, ReplicaID] = OrderedDict()
         self.routed_by_prefix = 0
         self.routed = 0
+        self.new_prefixes = 0  # prompts routed without a known prefix: whose turn it is
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         by_id = {replica.replica_id: replica for replica in candidate_replicas}
-        owner = self._owner(prompt_of(pending_request), by_id)
-        if owner is not None and self._balanced(candidate_replicas):
-            rest = [r for r in candidate_replicas if r.replica_id != owner.replica_id]
-            return [[owner], random.sample(rest, len(rest))] if rest else [[owner]]
-        return [random.sample(candidate_replicas, len(candidate_replicas))]  # shuffled: ties go anywhere
+        shuffled = random.sample(candidate_replicas, len(candidate_replicas))
+        if not self._balanced(candidate_replicas):
+            return [shuffled]
+        first = self._owner(prompt_of(pending_request), by_id)
+        if first is None:
+            in_turn = sorted(candidate_replicas, key=lambda r: str(r.replica_id))
+            first = in_turn[self.new_prefixes % len(in_turn)]
+            self.new_prefixes += 1
+        rest = [r for r in shuffled if r.replica_id != first.replica_id]
+        return [[first], rest] if rest else [[first]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         keys = prefix_keys(prompt_of(pending_request))
