@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from fiberserve.bench.loadgen import LoadResult, LoadSpec, median_run, plot, run_load, summarize
-from fiberserve.bench.peak import bound_tokens_per_s, linear_flops, measure_peaks
+from fiberserve.bench.peak import LACKING, bound_tokens_per_s, linear_flops, measure_peaks
 from fiberserve.bench.report import render
 from fiberserve.config import default_cache_dir
 from fiberserve.model.config import read_config
@@ -114,7 +114,7 @@ def cmd_peak(args: argparse.Namespace) -> int:
     print(f"GFLOP per generated token {flops.generated / 1e9:.3f}, per prompt token {flops.prompt / 1e9:.3f}")
     for kind in ("bf16", "amx_bf16", "int8", "q4_1", "fp32"):
         peak = getattr(peaks, kind)
-        bound = f"{bound_tokens_per_s(peak, flops):.0f} tokens/s" if peak else "- (the CPU lacks it)"
+        bound = f"{bound_tokens_per_s(peak, flops):.0f} tokens/s" if peak else LACKING
         print(f"decode-only bound at the {kind} peak: {bound}")
     name, peak = peaks.vector
     print(f"decode-only bound at the vector peak ({name}): {bound_tokens_per_s(peak, flops):.0f} tokens/s")

@@ -29,6 +29,9 @@ from fiberserve.model.config import ModelConfig
 _lock = threading.Lock()
 _SOURCE = Path(__file__).with_name("peak.cpp")
 
+#: What a report shows for a peak the CPU lacks (an instruction it does not have), in place of a figure.
+LACKING = "- (the CPU lacks it)"
+
 
 def _library(build_dir: Path) -> ctypes.CDLL:
     """``peak.cpp`` built (once per version and machine: the file is named after the source's hash, and
@@ -75,7 +78,7 @@ class Peaks:
 
     def describe(self) -> str:
         def rate(ops: float, unit: str) -> str:
-            return f"{ops / 1e9:.0f} {unit}" if ops else "- (the CPU lacks it)"
+            return f"{ops / 1e9:.0f} {unit}" if ops else LACKING
 
         q4_1 = f"{self.q4_1 / 1e9:.0f} GOP/s ({self.q4_1 / self.int8:.0%} of int8)" if self.int8 else "-"
         return (
