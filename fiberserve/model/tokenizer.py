@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,17 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def stream_decoder(self, context: list[int], skip_special_tokens: bool) -> Callable[[int], str | None] | None:
+        """tokenizers' own incremental decoder, seeded with ``context``: ``step(id)`` returns the text that id
+        completes (None while a character is incomplete), the pieces :meth:`decode` gives.  None where
+        ``decode`` is more than the backend's decode (a tokenizer class of its own, or spaces cleaned up)."""
+        if not _decodes_as_its_backend(self.hf):
+            return None
+        from tokenizers.decoders import DecodeStream
+
+        stream, backend = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens), self.hf.backend_tokenizer
+        return lambda token_id: stream.step(backend, token_id)
 
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each token's own text, special tokens included (as SGLang's logprob entries show them)."""
@@ -82,18 +94,25 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+        #: The same steps in Rust where the tokenizer has them (see Tokenizer.stream_decoder).
+        self._step = (
+            tokenizer.stream_decoder(self.ids, skip_special_tokens) if isinstance(tokenizer, Tokenizer) else None
+        )
 
     def push(self, token_id: int) -> str:
         """Add one id; return the new text it completes (possibly empty)."""
         self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            piece = full[len(prefix) :]
+        if self._step is not None:
+            piece = self._step(token_id) or ""
+        else:
+            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset :])
+            complete = len(full) > len(prefix) and not full.endswith("\ufffd")
+            piece = full[len(prefix) :] if complete else ""
+        if piece:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             self.text += piece
-            return piece
-        return ""
+        return piece
 
     def flush(self) -> str:
         """At the end: whatever is still held back (an incomplete character decodes as U+FFFD)."""
@@ -106,6 +125,19 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+
+def _decodes_as_its_backend(hf: Any) -> bool:
+    """Whether ``hf.decode`` is its ``backend_tokenizer``'s decode: transformers' fast-tokenizer decode, not
+    overridden by the tokenizer's class, without the clean-up of spaces it can add afterwards."""
+    cls = type(hf)
+    return (
+        getattr(hf, "backend_tokenizer", None) is not None
+        and not getattr(hf, "clean_up_tokenization_spaces", True)
+        and getattr(cls.decode, "__module__", None) == "transformers.tokenization_utils_base"
+        and getattr(cls._decode, "__module__", None)
+        in ("transformers.tokenization_utils_tokenizers", "transformers.tokenization_utils_fast")
+    )
 
 
 def _cache_key(path: Path) -> str:

@@ -11,6 +11,7 @@ import torch
 
 from fiberserve.model import LlamaModel, load_checkpoint
 from fiberserve.model.assets import DEFAULT_MODEL_SHA256, ModelFetchError, fetch_default_model, sha256_of
+from tests.integration.detokenizing import assert_stream_decoder_gives_decodes_pieces
 from tests.integration.reference import assert_teacher_forced_match, transformers_gguf_model
 
 pytestmark = pytest.mark.slow
@@ -71,6 +72,10 @@ def test_incremental_detokenizer_holds_split_characters(tokenizer):
     assert not any("\ufffd" in p for p in pieces)
     # some character really was split across tokens, or this test proves nothing
     assert any(p == "" for p in pieces[:-1])
+
+
+def test_the_rust_stream_decoder_gives_the_pieces_of_decode(tokenizer):
+    assert_stream_decoder_gives_decodes_pieces(tokenizer)
 
 
 def test_chat_template_equals_transformers(tokenizer, model_path):

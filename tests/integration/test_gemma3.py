@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fiberserve.model import LlamaModel, load_checkpoint
+from tests.integration.detokenizing import assert_stream_decoder_gives_decodes_pieces
 from tests.integration.reference import assert_teacher_forced_match, transformers_gguf_model
 
 pytestmark = pytest.mark.slow
@@ -33,6 +34,10 @@ def test_the_file_reads_as_gemma_3(gemma_path):
     assert (config.architecture, config.num_layers, config.head_dim, config.sliding_window) == ("gemma3", 18, 256, 512)
     assert config.sliding_layers == tuple((i + 1) % 6 != 0 for i in range(18))
     assert config.qk_norm and config.sandwich_norms and config.hidden_act == "gelu_tanh"
+
+
+def test_the_rust_stream_decoder_gives_the_pieces_of_decode(tokenizer):
+    assert_stream_decoder_gives_decodes_pieces(tokenizer)
 
 
 def test_prefill_and_16_decode_steps_match_transformers(gemma_path, tokenizer):
