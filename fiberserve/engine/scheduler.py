@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from fiberserve.engine.flight import Flight, FlightItem, FlightResult
 from fiberserve.engine.kvcache import PagePool
@@ -61,6 +62,8 @@ class Scheduler:
         #: Called with every sequence as it finishes, whatever the reason (metrics listen here: an aborted
         #: sequence in the air finishes when its flight lands, after its request has been let go).
         self.finish_listeners: list[Callable[[Sequence], None]] = []
+        #: Events recorded inside :meth:`events_held`, not yet on their sequences' queues.
+        self._held: list[tuple[Sequence, SequenceEvent]] | None = None
 
     # ------------------------------------------------------------------ intake
 
@@ -155,6 +158,27 @@ class Scheduler:
 
     # ------------------------------------------------------------------ landing
 
+    @contextmanager
+    def events_held(self) -> Iterator[None]:
+        """Sequences' events recorded inside the block reach their queues when it exits, in the order recorded:
+        the service lands a flight and boards the next one in a block, so that the next flight's work is
+        queued on its fiber before the consumers of this one's tokens wake."""
+        assert self._held is None, "events are already held"
+        held: list[tuple[Sequence, SequenceEvent]] = []
+        self._held = held
+        try:
+            yield
+        finally:
+            self._held = None
+            for seq, event in held:
+                seq.events.put_nowait(event)
+
+    def _emit(self, seq: Sequence, event: SequenceEvent) -> None:
+        if self._held is None:
+            seq.events.put_nowait(event)
+        else:
+            self._held.append((seq, event))
+
     def on_step(self, flight: Flight, result: FlightResult) -> None:
         """A step of a multi-step flight, handed over while the next one computes: its tokens are recorded and
         streamed as at landing, but its sequences stay in the air (one that ends is finished at landing).
@@ -202,7 +226,7 @@ class Scheduler:
                 if event.finished:
                     seq.finishing = event
                     break
-                seq.events.put_nowait(event)
+                self._emit(seq, event)
             total += kept
             seq.num_computed = item.computed_after(kept)
             if seq.num_computed // self.pages.page_size > seq.registered_pages:  # a page just filled up
@@ -246,7 +270,7 @@ class Scheduler:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.monotonic()
-        seq.events.put_nowait(event or SequenceEvent("", True))
+        self._emit(seq, event or SequenceEvent("", True))
         for listener in self.finish_listeners:
             listener(seq)
 

@@ -248,16 +248,20 @@ class LlmService:
     # ------------------------------------------------------------------ the batching step
 
     async def _batch_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while len(self._flights) < self.config.fibers:
-                flight = self.scheduler.next_flight()
-                if flight is None:
-                    break
-                flight.on_step = functools.partial(self._land_step, loop, flight)
-                self._flights.add(asyncio.create_task(self._fly(flight)))
+            self._board_flights()
+
+    def _board_flights(self) -> None:
+        """Start flights while a fiber is free and the scheduler has work."""
+        loop = asyncio.get_running_loop()
+        while len(self._flights) < self.config.fibers:
+            flight = self.scheduler.next_flight()
+            if flight is None:
+                break
+            flight.on_step = functools.partial(self._land_step, loop, flight)
+            self._flights.add(asyncio.create_task(self._fly(flight)))
 
     def _land_step(self, loop: asyncio.AbstractEventLoop, flight: Flight, result: FlightResult) -> None:
         """Called on the worker with a step of a multi-step flight: land it on the event loop."""
@@ -276,7 +280,13 @@ class LlmService:
                 raise
         else:
             self.flights_run += 1
-            self.scheduler.on_flight_done(flight, result)
+            # The next flight boards here, its task ahead of the wake-ups of this flight's streams, and its
+            # first step queues its work on the fiber (Program.invoke submits before it first waits): the
+            # fiber does not idle while the loop streams this flight's tokens.
+            with self.scheduler.events_held():
+                self.scheduler.on_flight_done(flight, result)
+                self._flights.discard(asyncio.current_task())
+                self._board_flights()
         finally:
             self._flights.discard(asyncio.current_task())
             self._wake.set()

@@ -8,6 +8,7 @@ one GPU can overlap each other while each stays ordered.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -50,7 +51,11 @@ class Fiber:
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on this fiber (on its stream, if any) and return its result."""
-        return await self.worker.run(self._in_stream, fn, args)
+        return await self.submit(fn, *args)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """Queue ``fn(*args)`` on this fiber now; the future (of the calling loop) gets its result."""
+        return asyncio.wrap_future(self.worker.submit(self._in_stream, fn, args))
 
     def close(self) -> None:
         """Shut the worker down without waiting (a hung call may still hold it)."""

@@ -79,8 +79,8 @@ class Program:
                     "or give the program Isolation.PER_CALL if it must share a fiber."
                 )
             self._running_fibers.add(fiber.id)
-        call = asyncio.ensure_future(fiber.run(self._run_on_worker, fiber, args))
         try:
+            call = fiber.submit(self._run_on_worker, fiber, args)  # queued before this coroutine first waits
             try:
                 return await asyncio.wait_for(asyncio.shield(call), timeout)
             except asyncio.CancelledError:

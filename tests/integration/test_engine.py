@@ -341,6 +341,27 @@ async def test_fibers_1_runs_flights_strictly_one_at_a_time(engine):
         await svc.close()
 
 
+async def test_a_landed_flight_s_tokens_reach_their_readers_with_the_next_flight_on_the_fiber(engine):
+    """The service boards the next flight before it wakes the readers of a landed one, so the fiber computes
+    while the loop streams: every token but a sequence's last reaches its reader with the fiber busy."""
+    svc = engine.service(fibers=1, decode_steps=1, speculative_tokens=0)
+    await svc.start()
+    try:
+        params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+        requests = [svc.submit(p, params) for p in engine.chat_prompts(4)]
+        fiber_busy: list[bool] = []
+
+        async def read(seq):
+            async for event in svc.events(seq):
+                if not event.finished:
+                    fiber_busy.append(svc.pool.stats().busy == 1)
+
+        await asyncio.gather(*(read(r.seqs[0]) for r in requests))
+        assert len(fiber_busy) == 4 * 11 and all(fiber_busy)
+    finally:
+        await svc.close()
+
+
 async def test_max_model_len_caps_every_request_s_context(engine):
     [prompt] = engine.chat_prompts(1)
     svc = engine.service(max_model_len=len(prompt) + 8)

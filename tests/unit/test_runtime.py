@@ -327,6 +327,21 @@ async def test_caller_cancelled_mid_invocation_holds_the_fiber_until_the_call_la
     assert (await second)[0] == p.fibers[0].id  # no ConcurrentInvocationError for the next user
 
 
+async def test_invoke_queues_its_call_on_the_fiber_before_it_first_waits():
+    """An invoking task's call is on the worker after the task's first step, ahead of whatever the loop runs
+    next: the service relies on it to have the next flight computing while the loop streams the last one."""
+    fiber = new_fiber()
+    called = threading.Event()
+    program = Program(lambda f: called.set, Isolation.PER_FIBER)
+    try:
+        task = asyncio.create_task(program.invoke(fiber))
+        await asyncio.sleep(0)  # one turn of the loop: the task's first step runs
+        assert called.wait(timeout=2)  # the loop is blocked here: only a call already queued can run
+        await task
+    finally:
+        fiber.close()
+
+
 async def test_none_isolation_shares_one_instance():
     fiber_a, fiber_b = new_fiber(), new_fiber()
     program = Program(lambda f: lambda: id(program), Isolation.NONE)
