@@ -46,6 +46,7 @@ from fiberserve.model.tokenizer import Tokenizer, load_tokenizer
 from fiberserve.runtime import FiberPool, Isolation, Program
 from fiberserve.runtime.allocator import keep_freed_buffers, return_freed_buffers
 from fiberserve.runtime.cpu_share import FreeCores
+from fiberserve.runtime.worker import hand_over_the_gil_promptly
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +231,7 @@ class LlmService:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        hand_over_the_gil_promptly()
         self.pool = FiberPool(self.config.fibers, device=self.config.device, name="fiber")
         self._loop_task = asyncio.create_task(self._batch_loop(), name="fiberserve-batcher")
 

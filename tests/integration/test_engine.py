@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import sys
 
 import pytest
 
 from fiberserve.engine import SamplingParams, speculation
 from fiberserve.engine.sampling_params import InvalidParameter
+from fiberserve.runtime.worker import GIL_SWITCH_INTERVAL_S
 from tests.integration.engine_utils import Engine, assert_same_or_near_tie
 
 pytestmark = pytest.mark.slow
@@ -360,6 +362,19 @@ async def test_a_landed_flight_s_tokens_reach_their_readers_with_the_next_flight
         assert len(fiber_busy) == 4 * 11 and all(fiber_busy)
     finally:
         await svc.close()
+
+
+async def test_a_started_service_has_threads_hand_over_the_gil_promptly(engine):
+    """A worker back from a kernel waits for the event loop's Python at most the shortened switch interval."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)  # the interpreter's default
+    svc = engine.service()
+    try:
+        await svc.start()
+        assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S)
+    finally:
+        await svc.close()
+        sys.setswitchinterval(before)
 
 
 async def test_max_model_len_caps_every_request_s_context(engine):
