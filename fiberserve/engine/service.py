@@ -231,6 +231,8 @@ class LlmService:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        """Start the fibers and the batching loop.  Sets the process's GIL switch interval
+        (``runtime.worker.GIL_SWITCH_INTERVAL_S``), which an application embedding the engine shares."""
         hand_over_the_gil_promptly()
         self.pool = FiberPool(self.config.fibers, device=self.config.device, name="fiber")
         self._loop_task = asyncio.create_task(self._batch_loop(), name="fiberserve-batcher")
