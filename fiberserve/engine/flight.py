@@ -111,6 +111,9 @@ class Flight:
     #: Called on the worker with each step's result but the last (which the invocation returns); it must hand
     #: the result to the host's loop.  Needed when ``steps`` > 1.
     on_step: Callable[[FlightResult], object] = lambda result: None
+    #: Called on the worker as the first step's decoder layers start (the host streams the flight that landed
+    #: before it then); None: nothing to tell.
+    on_takeoff: Callable[[], object] | None = None
     #: Set by the host: run no further step (new work waits to board, or the flight has failed).
     halted: bool = False
     #: Set by the host once the flight has landed or failed; a step handed over after that is dropped.

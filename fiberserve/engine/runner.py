@@ -77,14 +77,15 @@ class ModelRunner:
     def __call__(self, flight: Flight) -> FlightResult:
         """Run the flight's steps (see the module docstring); return the last step's result.
 
-        A step is handed to ``flight.on_step`` once the next one's decoder layers start, not as soon as it is
-        done: the event loop's thread, woken by it, then finds the GIL free (handed over at once, it took the
-        GIL from this thread's Python between the steps)."""
+        ``flight.on_takeoff`` is called as the first step's decoder layers start, and a step is handed to
+        ``flight.on_step`` once the next one's layers start, not as soon as it is done: the event loop's thread,
+        woken by either, then finds the GIL free (woken earlier, its Python would take the GIL from this
+        thread's between the steps)."""
         if self.free_cores is not None and (threads := self.free_cores()) != self.threads:
             torch.set_num_threads(threads)  # the kernels' rows do not depend on the team's size
             self.threads = threads
         items: list[FlightItem] = flight.items
-        publish: Callable[[], object] | None = None
+        publish: Callable[[], object] | None = flight.on_takeoff
         for _ in range(flight.steps - 1):
             result = self.step(items, publish)
             if flight.ends_after(result):

@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 from fiberserve.engine.flight import Flight, FlightItem, FlightResult
 from fiberserve.engine.kvcache import PagePool
@@ -62,7 +61,7 @@ class Scheduler:
         #: Called with every sequence as it finishes, whatever the reason (metrics listen here: an aborted
         #: sequence in the air finishes when its flight lands, after its request has been let go).
         self.finish_listeners: list[Callable[[Sequence], None]] = []
-        #: Events recorded inside :meth:`events_held`, not yet on their sequences' queues.
+        #: Events recorded while held (:meth:`hold_events`), not yet on their sequences' queues.
         self._held: list[tuple[Sequence, SequenceEvent]] | None = None
 
     # ------------------------------------------------------------------ intake
@@ -158,20 +157,23 @@ class Scheduler:
 
     # ------------------------------------------------------------------ landing
 
-    @contextmanager
-    def events_held(self) -> Iterator[None]:
-        """Sequences' events recorded inside the block reach their queues when it exits, in the order recorded:
-        the service lands a flight and boards the next one in a block, so that the next flight's work is
-        queued on its fiber before the consumers of this one's tokens wake."""
-        assert self._held is None, "events are already held"
-        held: list[tuple[Sequence, SequenceEvent]] = []
-        self._held = held
-        try:
-            yield
-        finally:
-            self._held = None
-            for seq, event in held:
-                seq.events.put_nowait(event)
+    def hold_events(self) -> None:
+        """Keep the events recorded from now on off their sequences' queues until :meth:`release_events`: the
+        service lands a flight and boards the next one while holding, and releases as the next flight's layers
+        start, so that the consumers of the landed tokens run while that flight computes, not while its worker
+        prepares it.  Holding again while holding keeps everything for the one release."""
+        if self._held is None:
+            self._held = []
+
+    @property
+    def events_are_held(self) -> bool:
+        return self._held is not None
+
+    def release_events(self) -> None:
+        """Put the held events on their queues, in the order recorded, and stop holding (nothing if not held)."""
+        held, self._held = self._held, None
+        for seq, event in held or ():
+            seq.events.put_nowait(event)
 
     def _emit(self, seq: Sequence, event: SequenceEvent) -> None:
         if self._held is None:

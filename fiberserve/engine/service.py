@@ -241,6 +241,7 @@ class LlmService:
         """Abort everything, wait for flights in the air, stop the fibers."""
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             self.scheduler.abort(seq)
+        self.scheduler.release_events()  # a flight cancelled before its first step never takes off
         if self._flights:
             await asyncio.gather(*self._flights, return_exceptions=True)
         if self._loop_task:
@@ -257,15 +258,21 @@ class LlmService:
             self._wake.clear()
             self._board_flights()
 
-    def _board_flights(self) -> None:
-        """Start flights while a fiber is free and the scheduler has work."""
+    def _board_flights(self, release_events_on_takeoff: bool = False) -> int:
+        """Start flights while a fiber is free and the scheduler has work; returns how many started.  With
+        ``release_events_on_takeoff``, each releases the scheduler's held events as its layers start."""
         loop = asyncio.get_running_loop()
+        on_takeoff = functools.partial(loop.call_soon_threadsafe, self.scheduler.release_events)
+        boarded = 0
         while len(self._flights) < self.config.fibers:
             flight = self.scheduler.next_flight()
             if flight is None:
                 break
             flight.on_step = functools.partial(self._land_step, loop, flight)
+            flight.on_takeoff = on_takeoff if release_events_on_takeoff else None
             self._flights.add(asyncio.create_task(self._fly(flight)))
+            boarded += 1
+        return boarded
 
     def _land_step(self, loop: asyncio.AbstractEventLoop, flight: Flight, result: FlightResult) -> None:
         """Called on the worker with a step of a multi-step flight: land it on the event loop."""
@@ -277,6 +284,7 @@ class LlmService:
             async with self.pool.acquire() as fiber:
                 result = await self.program.invoke(fiber, flight, timeout=self.config.invocation_timeout)
         except BaseException as exc:
+            self.scheduler.release_events()  # held for this flight's takeoff, which its failure may have skipped
             self.flights_failed += 1
             log.warning("flight of %d sequences failed: %r", len(flight.items), exc)
             self.scheduler.on_flight_failed(flight, exc)
@@ -284,13 +292,19 @@ class LlmService:
                 raise
         else:
             self.flights_run += 1
-            # The next flight boards here, its task ahead of the wake-ups of this flight's streams, and its
-            # first step queues its work on the fiber (Program.invoke submits before it first waits): the
-            # fiber does not idle while the loop streams this flight's tokens.
-            with self.scheduler.events_held():
+            # The next flight boards before this one's tokens reach their streams, and they are released as its
+            # layers start: the fiber does not wait for the loop to stream them (its task's first step queues
+            # the work: Program.invoke submits before it first waits), and the worker's Python that prepares the
+            # step does not share the GIL with the loop's that streams them.
+            self.scheduler.hold_events()
+            boarded = 0
+            try:
                 self.scheduler.on_flight_done(flight, result)
                 self._flights.discard(asyncio.current_task())
-                self._board_flights()
+                boarded = self._board_flights(release_events_on_takeoff=True)
+            finally:
+                if not boarded:
+                    self.scheduler.release_events()
         finally:
             self._flights.discard(asyncio.current_task())
             self._wake.set()
@@ -402,5 +416,6 @@ class LlmService:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        assert self._flights or not self.scheduler.events_are_held, "events held with no flight to release them"
         if self.pool:
             self.pool.check_integrity()

@@ -104,6 +104,11 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.tokens.numel())
 
+    def layers_start(self) -> None:
+        """Call ``before_layers``, if any: the last thing before the layers, once their inputs are built."""
+        if self.before_layers is not None:
+            self.before_layers()
+
 
 class KVCache:
     """Keys and values of every layer, ``[layer, slot, kv_head, head_dim]``; slot = page * page_size + offset."""
@@ -484,20 +489,21 @@ class LlamaModel:
         if self.config.embedding_multiplier is not None:  # rounded to the model's dtype, as transformers does
             h = h * torch.tensor(self.config.embedding_multiplier, dtype=self.dtype)
         h = h.float()  # the residual stream stays float32 (see the module docstring)
-        if batch.before_layers is not None:
-            batch.before_layers()
-        if self.native_layers:
+        if self.native_layers or self.fused:
             plan = _KernelPlan.build(batch, cache.page_size, tokens.numel())
             attention = (plan.pages, plan.row_span, plan.row_keys, cache.page_size, self.scale)
-            kernels.decoder_layers(
-                h, positions, self.cos, self.sin, write_slots, cache.k, cache.v, attention,
-                self.config.num_heads, self.eps, self.dtype, self.native_layers,
-            )  # fmt: skip
-        elif self.fused:
-            plan = _KernelPlan.build(batch, cache.page_size, tokens.numel())
-            self._layers_fused(h, positions, write_slots, cache, plan)
+            batch.layers_start()
+            if self.native_layers:
+                kernels.decoder_layers(
+                    h, positions, self.cos, self.sin, write_slots, cache.k, cache.v, attention,
+                    self.config.num_heads, self.eps, self.dtype, self.native_layers,
+                )  # fmt: skip
+            else:
+                self._layers_fused(h, positions, write_slots, cache, plan)
         else:
-            h = self._layers_generic(h, positions, write_slots, cache, self._attention_of(batch, cache, tokens.numel()))
+            layer_attention = self._attention_of(batch, cache, tokens.numel())
+            batch.layers_start()
+            h = self._layers_generic(h, positions, write_slots, cache, layer_attention)
         return F.rms_norm(h[batch.logit_rows.to(self.device)], (self.config.hidden_size,), self.norm, self.eps)
 
     def _layers_fused(self, h, positions, write_slots, cache: KVCache, plan: _KernelPlan) -> None:

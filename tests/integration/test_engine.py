@@ -10,6 +10,7 @@ import pytest
 
 from fiberserve.engine import SamplingParams, speculation
 from fiberserve.engine.sampling_params import InvalidParameter
+from fiberserve.model.llama import ForwardBatch
 from fiberserve.runtime.worker import GIL_SWITCH_INTERVAL_S
 from tests.integration.engine_utils import Engine, assert_same_or_near_tie
 
@@ -343,23 +344,32 @@ async def test_fibers_1_runs_flights_strictly_one_at_a_time(engine):
         await svc.close()
 
 
-async def test_a_landed_flight_s_tokens_reach_their_readers_with_the_next_flight_on_the_fiber(engine):
-    """The service boards the next flight before it wakes the readers of a landed one, so the fiber computes
-    while the loop streams: every token but a sequence's last reaches its reader with the fiber busy."""
+async def test_a_landed_flight_s_tokens_reach_their_readers_once_the_next_flight_s_layers_run(engine, monkeypatch):
+    """The service boards the next flight before it wakes the readers of a landed one, and wakes them as that
+    flight's layers start, so the loop streams while the fiber computes: a sequence's every token but its last
+    reaches its reader with the fiber busy and the layers of the flight after the token's own started."""
+    layers_started = []
+    layers_start = ForwardBatch.layers_start
+    monkeypatch.setattr(ForwardBatch, "layers_start", lambda batch: (layers_started.append(1), layers_start(batch)))
     svc = engine.service(fibers=1, decode_steps=1, speculative_tokens=0)
     await svc.start()
     try:
         params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
         requests = [svc.submit(p, params) for p in engine.chat_prompts(4)]
         fiber_busy: list[bool] = []
+        next_flight_started: list[bool] = []
 
         async def read(seq):
+            tokens = 0
             async for event in svc.events(seq):
                 if not event.finished:
+                    tokens += 1  # the first came from the sequence's first flight, each next from the next one
                     fiber_busy.append(svc.pool.stats().busy == 1)
+                    next_flight_started.append(len(layers_started) >= tokens + 1)
 
         await asyncio.gather(*(read(r.seqs[0]) for r in requests))
-        assert len(fiber_busy) == 4 * 11 and all(fiber_busy)
+        assert len(fiber_busy) == 4 * 11 and all(fiber_busy) and all(next_flight_started)
+        svc.check_integrity()
     finally:
         await svc.close()
 

@@ -260,3 +260,33 @@ def test_a_broken_invariant_is_caught_when_the_engine_goes_idle():
     seq.pages.append(seq.pages[0])  # a page reference the pool never gave out
     with pytest.raises(AssertionError, match="page references"):
         scheduler.check_integrity()
+
+
+def test_held_events_reach_their_queues_at_the_release_in_the_order_recorded():
+    """The service holds a landing's events until the next flight takes off; a second hold before the release
+    (another fiber's landing, an abort) keeps its events for the same release."""
+    scheduler = Scheduler(PagePool(64, page_size=4), max_running=16, max_batch_tokens=64)
+    a, b = sequence(), sequence(prompt="other")
+    decoding(scheduler, a, b)
+    for seq in (a, b):
+        assert seq.events.get_nowait().delta == "!"
+    flight = scheduler.next_flight()
+    scheduler.hold_events()
+    land(scheduler, flight, [ord("x"), ord("y")])
+    scheduler.hold_events()
+    scheduler.abort(b)
+    assert scheduler.events_are_held and a.events.empty() and b.events.empty()
+    scheduler.release_events()
+    assert not scheduler.events_are_held
+    assert [(e.delta, e.finished) for e in drain(a)] == [("x", False)]
+    assert [(e.delta, e.finished) for e in drain(b)] == [("y", False), ("", True)]
+    scheduler.release_events()  # nothing held: nothing happens
+    assert a.events.empty() and b.events.empty()
+    scheduler.check_integrity()
+
+
+def drain(seq) -> list:
+    events = []
+    while not seq.events.empty():
+        events.append(seq.events.get_nowait())
+    return events
