@@ -18,6 +18,7 @@ from fiberserve.engine.flight import Flight, FlightItem, FlightResult
 from fiberserve.engine.sampler import race_parameters, sample, score_tokens
 from fiberserve.engine.sequence import TokenLogprob
 from fiberserve.model.llama import ForwardBatch, KVCache, LlamaModel, SequenceSpan
+from fiberserve.model.small_tensors import tensor_of
 
 
 class ModelRunner:
@@ -67,11 +68,11 @@ class ModelRunner:
             row += item.length
             logit_rows.extend(range(row - item.sample_rows, row))
         return ForwardBatch(
-            tokens=torch.tensor(tokens, dtype=torch.long),
-            positions=torch.tensor(positions, dtype=torch.long),
-            write_slots=torch.tensor(write_slots, dtype=torch.long),
+            tokens=tensor_of(tokens, torch.long),
+            positions=tensor_of(positions, torch.long),
+            write_slots=tensor_of(write_slots, torch.long),
             spans=spans,
-            logit_rows=torch.tensor(logit_rows, dtype=torch.long),
+            logit_rows=tensor_of(logit_rows, torch.long),
         )
 
     def __call__(self, flight: Flight) -> FlightResult:

@@ -28,6 +28,7 @@ from fiberserve.engine.sampling_params import SamplingParams
 from fiberserve.engine.sequence import Sequence, TokenLogprob
 from fiberserve.model import kernels
 from fiberserve.model.llama import argmax_rows
+from fiberserve.model.small_tensors import tensor_of
 
 #: Candidate counts tried, in order, for a row's top-p nucleus: the largest that the top-k kernel takes, then one
 #: that covers all but the flattest distributions, then the whole vocabulary (a sort).
@@ -64,7 +65,7 @@ def race_parameters(seqs: Rows[Sequence], positions: Rows[int]) -> tuple[torch.T
     :func:`.kernels.race_rows` and the head's kernels take them."""
     inverse = [0.0 if seq.params.greedy else 1.0 / seq.params.temperature for seq in seqs]
     seeds = [row_seed(seq.sampling_key, position) for seq, position in zip(seqs, positions, strict=True)]
-    return torch.tensor(inverse, dtype=torch.float32), torch.tensor(seeds, dtype=torch.long)
+    return tensor_of(inverse, torch.float32), tensor_of(seeds, torch.long)
 
 
 def adjust_logits(logits: torch.Tensor, seqs: Rows[Sequence]) -> torch.Tensor:

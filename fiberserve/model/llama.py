@@ -57,6 +57,7 @@ from fiberserve.model.config import ModelConfig
 from fiberserve.model.linear import GateUp, Linear, QuantLinear, make_linear, quant_kernel_available
 from fiberserve.model.loader import Checkpoint, LazyWeights
 from fiberserve.model.quant_blocks import QuantBlocks
+from fiberserve.model.small_tensors import tensor_of
 
 #: Key buffers are padded to a multiple of this many positions (see module docstring).
 KEY_BUCKET = 64
@@ -226,8 +227,9 @@ class _KernelPlan:
             row_keys[span.start : end] = range(first + 1, span.context + 1)
             tables.append(span.page_list(page_size))
         width = max(map(len, tables), default=1)
-        pages = torch.tensor([table + [0] * (width - len(table)) for table in tables] or [[0]], dtype=torch.int32)
-        return cls(pages, torch.tensor(row_span, dtype=torch.int32), torch.tensor(row_keys, dtype=torch.int32))
+        padded = [page for table in tables for page in table + [0] * (width - len(table))] or [0]
+        pages = tensor_of(padded, torch.int32).view(-1, width)
+        return cls(pages, tensor_of(row_span, torch.int32), tensor_of(row_keys, torch.int32))
 
 
 def _rope_inv_freq(
@@ -450,16 +452,17 @@ class LlamaModel:
         h = self._final_hidden(batch, cache)
         rows, k = h.shape[0], REFINED_LOGITS + 1  # the re-scored candidates and the best of the rest
         inverse, seeds = race if race is not None else (torch.zeros(rows), torch.zeros(rows, dtype=torch.long))
-        drawn = (inverse > 0).nonzero()[:, 0]
-        capped = self.config.final_softcap is not None and len(drawn) > 0  # the cap is monotonic: argmax keeps it
+        # The cap is monotonic: an argmax keeps it, a draw does not.
+        capped = self.config.final_softcap is not None and bool((inverse > 0).any())
         if self.dtype != torch.float32 and k < self.config.vocab_size and not capped:
             found = self.logits.race(h.to(self.dtype), k, inverse, seeds)
             if found is not None:
-                picked = kernels.refined_race(found, h, self.lm_head, inverse, seeds)
-                if bool((picked >= 0).all()):  # else a row of NaN: the logits below decide
-                    return picked.tolist()
+                picked = kernels.refined_race(found, h, self.lm_head, inverse, seeds).tolist()
+                if all(token >= 0 for token in picked):  # else a row of NaN: the logits below decide
+                    return picked
         logits = self._logits(h)
         picks = argmax_rows(logits)
+        drawn = (inverse > 0).nonzero()[:, 0]
         if len(drawn):  # the race runs on the CPU kernels, whatever the model's device
             kernels.load()
             raced = kernels.race_rows(logits[drawn.to(logits.device)].cpu(), inverse[drawn], seeds[drawn]).tolist()
