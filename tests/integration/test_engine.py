@@ -374,6 +374,23 @@ async def test_a_landed_flight_s_tokens_reach_their_readers_once_the_next_flight
         await svc.close()
 
 
+async def test_events_held_for_a_flight_that_fails_before_its_layers_still_reach_their_reader(engine):
+    """The first decode flight fails as it starts (an injected fault), before the layers that would release the
+    prefill's held token: the token still reaches its reader, then the error."""
+    svc = engine.service(fibers=1, decode_steps=1, speculative_tokens=0, fault_rate=0.5)  # every 2nd flight fails
+    await svc.start()
+    try:
+        [prompt] = engine.chat_prompts(1)
+        request = svc.submit(prompt, SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True))
+        events = await asyncio.wait_for(_all_events(svc, request.seqs[0]), timeout=60)
+        assert [(bool(e.delta), e.finished) for e in events] == [(True, False), (False, True)]
+        assert request.seqs[0].finish_reason.value == "error" and "injected" in request.seqs[0].error
+        assert svc.flights_run == 1 and svc.flights_failed == 1
+        svc.check_integrity()
+    finally:
+        await svc.close()
+
+
 async def test_a_started_service_has_threads_hand_over_the_gil_promptly(engine):
     """A worker back from a kernel waits for the event loop's Python at most the shortened switch interval."""
     before = sys.getswitchinterval()
