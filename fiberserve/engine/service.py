@@ -262,14 +262,15 @@ class LlmService:
         """Start flights while a fiber is free and the scheduler has work; returns how many started.  With
         ``release_events_on_takeoff``, each releases the scheduler's held events as its layers start."""
         loop = asyncio.get_running_loop()
-        on_takeoff = functools.partial(loop.call_soon_threadsafe, self.scheduler.release_events)
+        release = self.scheduler.release_events
+        on_takeoff = functools.partial(loop.call_soon_threadsafe, release) if release_events_on_takeoff else None
         boarded = 0
         while len(self._flights) < self.config.fibers:
             flight = self.scheduler.next_flight()
             if flight is None:
                 break
             flight.on_step = functools.partial(self._land_step, loop, flight)
-            flight.on_takeoff = on_takeoff if release_events_on_takeoff else None
+            flight.on_takeoff = on_takeoff
             self._flights.add(asyncio.create_task(self._fly(flight)))
             boarded += 1
         return boarded

@@ -494,9 +494,9 @@ class LlamaModel:
         h = h.float()  # the residual stream stays float32 (see the module docstring)
         if self.native_layers or self.fused:
             plan = _KernelPlan.build(batch, cache.page_size, tokens.numel())
-            attention = (plan.pages, plan.row_span, plan.row_keys, cache.page_size, self.scale)
             batch.layers_start()
             if self.native_layers:
+                attention = (plan.pages, plan.row_span, plan.row_keys, cache.page_size, self.scale)
                 kernels.decoder_layers(
                     h, positions, self.cos, self.sin, write_slots, cache.k, cache.v, attention,
                     self.config.num_heads, self.eps, self.dtype, self.native_layers,

@@ -1,6 +1,6 @@
 """1-D CPU tensors from short Python lists, as a step builds its inputs each time (tokens, positions, slots, page
 tables, the race's parameters): through an ``array.array`` the tensor takes the list's values in one copy,
-where ``torch.tensor`` converts them one Python object at a time (about three times as long for 64 values)."""
+where ``torch.tensor`` converts them one Python object at a time."""
 
 from __future__ import annotations
 
