@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from fiberserve.engine.stop_regex import StopRegexError, compile_stop_regex
 
 if TYPE_CHECKING:
     from fiberserve.engine.grammar import GrammarSpec
@@ -36,7 +37,7 @@ class SamplingParams:
     n: int = 1
     stop: list[str] = field(default_factory=list)
     #: The output ends (``stop``, the text kept whole) once its text has a match of one of these regular
-    #: expressions (SGLang's ``stop_regex``).
+    #: expressions (SGLang's ``stop_regex``; RE2 syntax, matched in a bounded tail: see ``stop_regex.py``).
     stop_regex: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -103,8 +104,8 @@ class SamplingParams:
             ),
             (
                 "stop_regex",
-                len(self.stop_regex) <= 16 and all(isinstance(s, str) and s and _compiles(s) for s in self.stop_regex),
-                "at most 16 non-empty valid regular expressions",
+                len(self.stop_regex) <= 16 and all(isinstance(s, str) and s for s in self.stop_regex),
+                "at most 16 non-empty regular expressions",
             ),
             ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be in [0, 2**63)"),
             (
@@ -127,12 +128,9 @@ class SamplingParams:
         for name, ok, message in checks:
             if not ok:
                 raise InvalidParameter(name, message)
+        for pattern in self.stop_regex:
+            try:
+                compile_stop_regex(pattern)
+            except StopRegexError as exc:
+                raise InvalidParameter("stop_regex", str(exc)) from None
         return self
-
-
-def _compiles(pattern: str) -> bool:
-    try:
-        re.compile(pattern)
-    except re.error:
-        return False
-    return True

@@ -6,7 +6,6 @@ import asyncio
 import enum
 import itertools
 import random
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -14,6 +13,7 @@ from fiberserve.engine.drafting import PromptLookup
 from fiberserve.engine.grammar import GrammarState
 from fiberserve.engine.sampling_noise import sampling_key
 from fiberserve.engine.sampling_params import SamplingParams
+from fiberserve.engine.stop_regex import compile_stop_regex
 from fiberserve.model.tokenizer import IncrementalDetokenizer
 
 _ids = itertools.count()
@@ -197,12 +197,15 @@ def _release_text(seq: Sequence, piece: str, final: bool) -> str:
     return pending
 
 
-def _stop_regex_match(seq: Sequence) -> str | None:
-    """The first ``stop_regex`` that matches the text so far (held text included), if any."""
+def _stop_regex_match(seq: Sequence, fresh: int) -> str | None:
+    """The first ``stop_regex`` with a match ending in the text's last ``fresh`` characters (held text
+    included), if any; the first check, at ``min_new_tokens``, looks at the whole text."""
     if not seq.params.stop_regex or len(seq.output_ids) < seq.params.min_new_tokens:
         return None
     text = seq.text + seq.held
-    return next((pattern for pattern in seq.params.stop_regex if re.search(pattern, text)), None)
+    if len(seq.output_ids) == seq.params.min_new_tokens:
+        fresh = len(text)
+    return next((p for p in seq.params.stop_regex if compile_stop_regex(p).search_tail(text, fresh)), None)
 
 
 def append_token(seq: Sequence, token: int, info: TokenLogprob | None) -> SequenceEvent:
@@ -239,7 +242,7 @@ def append_token(seq: Sequence, token: int, info: TokenLogprob | None) -> Sequen
     if final and seq.finish_reason is FinishReason.LENGTH:
         piece += seq.detokenizer.flush()
     delta = _release_text(seq, piece, final)
-    if seq.finish_reason is None and (pattern := _stop_regex_match(seq)) is not None:
+    if seq.finish_reason is None and (pattern := _stop_regex_match(seq, len(piece))) is not None:
         seq.finish_reason, seq.matched_stop = FinishReason.STOP, pattern
         delta, seq.text, seq.held = delta + seq.held, seq.text + seq.held, ""
     return SequenceEvent(delta, seq.finish_reason is not None)

@@ -207,6 +207,35 @@ def test_fuzzed_bodies_never_get_a_5xx(server, path, prompt, params, stream):
         assert "error" in r.json()
 
 
+def test_a_catastrophic_stop_regex_stalls_no_other_stream(server):
+    """``(a+)+b`` over a run of a's backtracks exponentially in Python's re: checked at every token on the event
+    loop, one such request froze every stream.  Here a plain request sent beside it finishes first, and the
+    pathological one still ends with every ``a`` its grammar makes it write."""
+    pathological = {
+        "text": "Say a",
+        "sampling_params": {"max_new_tokens": 120, "temperature": 0, "regex": "a{120}", "stop_regex": "(a+)+b"},
+    }
+    plain = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    finished: list[str] = []
+
+    def send(name: str, body: dict) -> dict:
+        with server.client(timeout=120) as c:
+            r = c.post(G, json=body)
+        finished.append(name)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        slow = pool.submit(send, "pathological", pathological)
+        time.sleep(0.5)
+        quick = pool.submit(send, "plain", plain)
+        assert quick.result()["meta_info"]["finish_reason"]["type"] == "length"
+        out = slow.result()
+    assert out["text"] == "a" * 120 and out["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+    assert finished == ["plain", "pathological"]
+    server.assert_idle()
+
+
 def test_metrics_and_no_cors_by_default(server):
     with server.client() as c:
         c.post(G, json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}})
