@@ -124,9 +124,7 @@ def _write_out(w) -> None:
 
 def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], qtype=None) -> Path:
     """A GGUF file as llama.cpp's converter writes it; 2-D weights quantized to ``qtype`` if given."""
-    from gguf.quants import quantize
-
-    from tests.k_quants import quantize_k
+    from fiberserve.bench.block_quantizers import quantize_blocks
 
     H, KVH = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = _gguf_writer(path, "llama", cfg, cfg["rope_theta"], cfg["bos_token_id"], cfg["eos_token_id"])
@@ -136,8 +134,7 @@ def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], qtype=No
     def put(name: str, value: np.ndarray) -> None:
         value = np.ascontiguousarray(value, dtype=np.float32)
         if qtype is not None and value.ndim == 2:
-            k_format = qtype.name.endswith("_K")  # gguf writes no K formats: tests/k_quants.py does
-            w.add_tensor(name, quantize_k(value, qtype.name) if k_format else quantize(value, qtype), raw_dtype=qtype)
+            w.add_tensor(name, quantize_blocks(value, qtype.name), raw_dtype=qtype)
         else:
             w.add_tensor(name, value)
 

@@ -1,4 +1,5 @@
-"""``fiberserve bench run`` (load one server), ``compare`` (fiberserve against its peers), ``peak`` (the CPU bound)."""
+"""``fiberserve bench run`` (load one server), ``compare`` (fiberserve against its peers), ``peak`` (the CPU bound),
+``model`` (write a random-weight model of a real model's shape)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ from pathlib import Path
 import httpx
 
 from fiberserve.bench.loadgen import LoadResult, LoadSpec, median_run, plot, run_load, summarize
-from fiberserve.bench.peak import LACKING, bound_tokens_per_s, linear_flops, measure_peaks
+from fiberserve.bench.peak import (
+    LACKING,
+    bound_tokens_per_s,
+    linear_flops,
+    measure_peaks,
+    memory_bound_tokens_per_s,
+    weight_bytes_per_token,
+)
+from fiberserve.bench.random_model import FORMATS, SHAPES
 from fiberserve.bench.report import render
 from fiberserve.config import default_cache_dir
 from fiberserve.model.config import read_config
@@ -108,8 +117,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_peak(args: argparse.Namespace) -> int:
     from fiberserve.model.assets import default_model_path
 
+    model = args.model or default_model_path(args.cache_dir)
     peaks = measure_peaks(build_dir=Path(args.cache_dir) / "build")
-    flops = linear_flops(read_config(args.model or default_model_path(args.cache_dir)))
+    config = read_config(model)
+    flops, weight_bytes = linear_flops(config), weight_bytes_per_token(model, config)
     print(peaks.describe())
     print(f"GFLOP per generated token {flops.generated / 1e9:.3f}, per prompt token {flops.prompt / 1e9:.3f}")
     for kind in ("bf16", "amx_bf16", "int8", "q4_1", "fp32"):
@@ -118,6 +129,20 @@ def cmd_peak(args: argparse.Namespace) -> int:
         print(f"decode-only bound at the {kind} peak: {bound}")
     name, peak = peaks.vector
     print(f"decode-only bound at the vector peak ({name}): {bound_tokens_per_s(peak, flops):.0f} tokens/s")
+    print(f"memory read bandwidth: {peaks.read_bytes / 1e9:.1f} GB/s ({peaks.threads} threads)")
+    print(f"weight bytes read per generated token: {weight_bytes / 1e6:.1f} MB")
+    memory_bound = memory_bound_tokens_per_s(peaks.read_bytes, weight_bytes)
+    print(f"memory-bound decode bound (one sequence): {memory_bound:.1f} tokens/s")
+    return 0
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    from fiberserve.bench.random_model import write_random_model
+    from fiberserve.model.assets import default_model_path
+
+    output = Path(args.output or f"{args.shape}-{args.format}.gguf")
+    write_random_model(output, SHAPES[args.shape], args.format, default_model_path(args.cache_dir), seed=args.seed)
+    print(f"wrote {output} ({output.stat().st_size / 1e6:.0f} MB)")
     return 0
 
 
@@ -132,7 +157,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     peaks = measure_peaks(build_dir=cache / "build")  # first, while the machine is idle
     print(peaks.describe(), file=sys.stderr)
-    flops = linear_flops(read_config(gguf))
+    config = read_config(gguf)
+    flops, weight_bytes = linear_flops(config), weight_bytes_per_token(gguf, config)
     base = LoadSpec(
         url="", requests=args.requests, duration_s=args.duration, prompt_words=40, output_len=FORCED_OUTPUT_LEN
     )
@@ -251,6 +277,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         per_round,
         plot=shown_plot,
         chat=chat_series,
+        weight_bytes=weight_bytes,
     )
     Path(args.output).write_text(text)
     (out_dir / "results.json").write_text(
@@ -322,8 +349,18 @@ def main(argv: list[str]) -> int:
     peak = sub.add_parser("peak", help="the CPU's dot-product peak and the compute bound it sets for a model")
     peak.add_argument("--model", help="GGUF file or Hugging Face directory (default: the embedded model)")
     peak.add_argument("--cache-dir", default=str(default_cache_dir()))
+    model = sub.add_parser(
+        "model", help="write a random-weight GGUF of a real model's shape (the embedded model's tokenizer)"
+    )
+    model.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
+    model.add_argument("--format", choices=FORMATS, default="Q4_K_M", help="a block format, or a llama.cpp mix")
+    model.add_argument("--output", "-o", help="the file to write (default: SHAPE-FORMAT.gguf)")
+    model.add_argument("--seed", type=int, default=0)
+    model.add_argument("--cache-dir", default=str(default_cache_dir()))
     args = parser.parse_args(argv)
     args.argv = argv
+    if args.command == "model":
+        return cmd_model(args)
     if args.command == "run":
         return cmd_run(args)
     if args.command == "peak":

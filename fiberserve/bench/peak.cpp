@@ -14,11 +14,18 @@
 //         vpdpbusd's 128 ops each, so q4_1 / int8 is the share of the int8 peak the arithmetic leaves.
 //
 // Returns operations per second for all threads together, or 0 where the compiler does not target the
-// instruction.  Plain C++ with a C entry point, loaded by peak.py through ctypes: no PyTorch headers (they made
+// instruction.
+//
+// And the memory's read bandwidth: every thread sums its share of one buffer far larger than the last-level cache
+// (each pass a barrier apart, so all threads read at once), the best of several passes: the rate at which a
+// memory-bound product can stream its weights.  Plain C++ with a C entry point, loaded by peak.py through ctypes: no PyTorch headers (they made
 // its build ~40 s; this one takes ~2 s), so `fiberserve bench` needs no PyTorch at all.
 
+#include <algorithm>
+#include <barrier>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -180,7 +187,53 @@ double peak_ops_per_second(const std::string& kind, int64_t threads, int64_t ite
   return total;
 }
 
+// Sums 64-bit words of [begin, end) in eight independent chains (the loads, not the adds, bound the loop).
+uint64_t sum_words(const uint64_t* begin, const uint64_t* end) {
+  uint64_t acc[8] = {};
+  for (const uint64_t* p = begin; p + 8 <= end; p += 8)
+    for (int i = 0; i < 8; ++i) acc[i] += p[i];
+  uint64_t total = 0;
+  for (uint64_t a : acc) total += a;
+  return total;
+}
+
+// Bytes per second that ``threads`` threads read from a ``bytes`` buffer together: the best of ``passes`` passes.
+double read_bytes_per_second(int64_t threads, int64_t bytes, int passes) {
+  const size_t words = static_cast<size_t>(bytes) / sizeof(uint64_t);
+  std::vector<uint64_t> buffer(words);
+  std::memset(buffer.data(), 1, words * sizeof(uint64_t));  // touched: every page is backed before timing
+  std::vector<uint64_t> sinks(static_cast<size_t>(threads));
+  std::barrier sync(threads + 1);
+  std::vector<std::thread> pool;
+  for (int64_t t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      const uint64_t* first = buffer.data() + words * t / threads;
+      const uint64_t* last = buffer.data() + words * (t + 1) / threads;
+      for (int pass = 0; pass < passes; ++pass) {
+        sync.arrive_and_wait();
+        sinks[static_cast<size_t>(t)] += sum_words(first, last);
+        sync.arrive_and_wait();
+      }
+    });
+  double best = 0;
+  for (int pass = 0; pass < passes; ++pass) {
+    sync.arrive_and_wait();
+    const auto start = std::chrono::steady_clock::now();
+    sync.arrive_and_wait();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    best = std::max(best, static_cast<double>(words * sizeof(uint64_t)) / seconds);
+  }
+  for (auto& thread : pool) thread.join();
+  volatile uint64_t keep = 0;
+  for (uint64_t s : sinks) keep = keep + s;
+  return best;
+}
+
 }  // namespace
+
+extern "C" double fiberserve_peak_read_bytes_per_second(int64_t threads, int64_t bytes, int64_t passes) {
+  return read_bytes_per_second(threads, bytes, static_cast<int>(passes));
+}
 
 extern "C" double fiberserve_peak_ops_per_second(const char* kind, int64_t threads, int64_t iterations) {
   return peak_ops_per_second(kind, threads, iterations);

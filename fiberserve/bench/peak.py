@@ -1,4 +1,5 @@
-"""The compute bound, measured: the CPU's dot-product peak and the linear-layer work per token.
+"""The machine's bounds, measured: the CPU's dot-product peak, the memory's read bandwidth, and a model's work per
+token.
 
 A serving benchmark says "x tokens/s"; this module says what fraction of the machine that is.
 :func:`measure_peaks` times the dot-product instructions a matrix kernel is made of (``peak.cpp``) on
@@ -8,7 +9,11 @@ every core at once, and :func:`linear_flops` counts a model's multiply-adds per 
 
 where a generated token costs the decoder's linear layers plus the output head, and a prompt token the
 decoder's alone (only the last prompt row needs logits).  Attention and elementwise work are left out of
-the count, so the bound is optimistic.
+the count, so the bound is optimistic.  One sequence's decode reads every weight once per token instead, so
+
+    tokens/s bound = read bandwidth / weight bytes per token (:func:`weight_bytes_per_token`),
+
+the memory-bound decode bound, again optimistic (the KV cache's reads are left out).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ def _library(build_dir: Path) -> ctypes.CDLL:
             build_dir.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=build_dir) as tmp:  # built aside, then renamed: atomic
                 built = Path(tmp) / path.name
-                command = [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread"]
+                command = [compiler, "-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-pthread"]
                 done = subprocess.run([*command, str(_SOURCE), "-o", str(built)], capture_output=True, text=True)
                 if done.returncode:
                     raise RuntimeError(f"building {_SOURCE.name} failed ({' '.join(command)}):\n{done.stderr}")
@@ -54,7 +59,15 @@ def _library(build_dir: Path) -> ctypes.CDLL:
         library = ctypes.CDLL(str(path))
     library.fiberserve_peak_ops_per_second.restype = ctypes.c_double
     library.fiberserve_peak_ops_per_second.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64]
+    library.fiberserve_peak_read_bytes_per_second.restype = ctypes.c_double
+    library.fiberserve_peak_read_bytes_per_second.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     return library
+
+
+#: The buffer the read bandwidth is measured on: far larger than any CPU's last-level cache.
+READ_BUFFER_BYTES = 1 << 30
+#: Passes over it; the best one counts.
+READ_PASSES = 5
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,7 @@ class Peaks:
     #: float): the most any exact Q4_1 product can reach here.
     q4_1: float
     amx_bf16: float  # tdpbf16ps on AMX tiles (Intel Xeon from Sapphire Rapids on)
+    read_bytes: float = 0.0  # bytes/s read from memory (a buffer beyond the last-level cache) by all threads
 
     @property
     def vector(self) -> tuple[str, float]:
@@ -84,7 +98,8 @@ class Peaks:
         return (
             f"{self.threads} threads: bf16 {rate(self.bf16, 'GFLOP/s')} (vdpbf16ps), bf16 on AMX tiles "
             f"{rate(self.amx_bf16, 'GFLOP/s')} (tdpbf16ps), int8 {rate(self.int8, 'GOP/s')} (vpdpbusd), int8 in "
-            f"Q4_1 blocks {q4_1}, fp32 {rate(self.fp32, 'GFLOP/s')} (vfmadd231ps)"
+            f"Q4_1 blocks {q4_1}, fp32 {rate(self.fp32, 'GFLOP/s')} (vfmadd231ps); memory read "
+            f"{self.read_bytes / 1e9:.1f} GB/s"
         )
 
 
@@ -97,7 +112,8 @@ def measure_peaks(threads: int | None = None, iterations: int = 50_000_000, buil
         kind: library.fiberserve_peak_ops_per_second(kind.encode(), threads, iterations)
         for kind in ("fp32", "bf16", "int8", "q4_1", "amx_bf16")
     }
-    return Peaks(threads=threads, **rate)
+    read = library.fiberserve_peak_read_bytes_per_second(threads, READ_BUFFER_BYTES, READ_PASSES)
+    return Peaks(threads=threads, read_bytes=read, **rate)
 
 
 @dataclass(frozen=True)
@@ -122,7 +138,25 @@ def linear_flops(config: ModelConfig) -> TokenFlops:
     return TokenFlops(decoder=2.0 * config.num_layers * per_layer, head=2.0 * h * config.vocab_size)
 
 
+def weight_bytes_per_token(model: str | Path, config: ModelConfig) -> float:
+    """The weight bytes one sequence's decode step reads: a GGUF file's tensors as stored (the token embedding's
+    one row aside, unless the output head reads it), or bf16 values of every linear weight for a Hugging Face
+    directory (served in bf16)."""
+    if Path(model).is_dir():
+        return linear_flops(config).generated  # 2 FLOP per multiply-add, 2 bytes per bf16 weight
+    from fiberserve.model.gguf_file import GgufFile
+
+    tensors = {t.name: t.data.nbytes for t in GgufFile(model).tensors}
+    embedding = tensors.get("token_embd.weight", 0) if "output.weight" in tensors else 0
+    return float(sum(tensors.values()) - embedding)
+
+
 def bound_tokens_per_s(peak: float, flops: TokenFlops) -> float:
     """Generated tokens/s that ``peak`` operations/s allow when no prompt needs computing (decode only);
     0 where the peak is 0 (the CPU lacks that instruction)."""
     return peak / flops.generated
+
+
+def memory_bound_tokens_per_s(read_bytes: float, weight_bytes: float) -> float:
+    """Generated tokens/s of one sequence when every step reads ``weight_bytes`` at ``read_bytes`` bytes/s."""
+    return read_bytes / weight_bytes

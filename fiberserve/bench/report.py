@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from fiberserve.bench.loadgen import LoadResult, summarize
-from fiberserve.bench.peak import Peaks, TokenFlops, bound_tokens_per_s
+from fiberserve.bench.peak import Peaks, TokenFlops, bound_tokens_per_s, memory_bound_tokens_per_s
 from fiberserve.bench.peers import PeerServer
 
 #: The matrix-product instructions a figure depends on, by their /proc/cpuinfo flag.
@@ -69,8 +69,29 @@ def _table(levels: list[int], series: dict[str, list[LoadResult]]) -> list[str]:
     return lines
 
 
-def _bound_section(series: dict[str, list[LoadResult]], peaks: Peaks, flops: TokenFlops) -> list[str]:
-    """How close each fiberserve row came to the machine's compute bound, at each level."""
+def _memory_bound(series: dict[str, list[LoadResult]], peaks: Peaks, weight_bytes: float) -> list[str]:
+    """The memory-bound decode bound of one sequence, and each fiberserve C=1 row as a share of it."""
+    bound = memory_bound_tokens_per_s(peaks.read_bytes, weight_bytes)
+    shares = [
+        f"{name} {r.output_tokens_per_s / bound:.0%}"
+        for name, results in series.items()
+        if name.startswith("fiberserve")
+        for r in results
+        if r.spec["concurrency"] == 1
+    ]
+    return [
+        f"Memory-bound decode bound (one sequence reads every weight once per token): memory read "
+        f"{peaks.read_bytes / 1e9:.1f} GB/s / {weight_bytes / 1e6:.0f} MB of weights per token = {bound:.1f} "
+        "tokens/s" + (f"; C=1 reached {', '.join(shares)} of it." if shares else "."),
+        "",
+    ]
+
+
+def _bound_section(
+    series: dict[str, list[LoadResult]], peaks: Peaks, flops: TokenFlops, weight_bytes: float = 0.0
+) -> list[str]:
+    """How close each fiberserve row came to the machine's compute bound, at each level, and (where
+    ``weight_bytes`` and the read bandwidth are known) its C=1 rows to the memory-bound decode bound."""
     giga = 1e9
     vector, vector_peak = peaks.vector
     lines = [
@@ -89,6 +110,7 @@ def _bound_section(series: dict[str, list[LoadResult]], peaks: Peaks, flops: Tok
         "else fp32), and the linear-layer rate the run sustained (generated and prompt tokens) as a share of each "
         "peak.",
         "",
+        *(_memory_bound(series, peaks, weight_bytes) if weight_bytes and peaks.read_bytes else []),
         f"| server | C | out tok/s | prompt tok / out tok | of {vector} bound | linear GOP/s | of bf16 peak "
         "| of AMX bf16 peak | of int8 peak | of Q4_1 rate |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -131,13 +153,15 @@ def render(
     rounds: dict[str, list[list[float]]] | None = None,
     plot: str = "bench-results/benchmarks.png",
     chat: dict[str, list[LoadResult]] | None = None,
+    weight_bytes: float = 0.0,
 ) -> str:
     """BENCHMARKS.md: the chat workload's table and ratios (where it ran), then the forced workload's table and
     ratios, the compute bound, latencies, streaming and the ablation: figures only (what they mean is in
     ``docs/performance.md``).
 
     ``rounds``: every round's output tokens/s per server and level (``compare --rounds``), where ``series``
-    and ``streamed`` hold each level's median round; with more than one round they get a table of their own."""
+    and ``streamed`` hold each level's median round; with more than one round they get a table of their own.
+    ``weight_bytes``: the weights one decode step reads (:func:`.weight_bytes_per_token`), for the memory bound."""
     names = list(series)
     count = max((len(runs) for runs in (rounds or {}).values()), default=1)
     lines = [
@@ -180,7 +204,7 @@ def render(
             "and the sections below use the median round of each level); all rounds are under Rounds.",
             "",
         ]
-    lines += [*_table(levels, series), "", *_bound_section(series, peaks, flops)]
+    lines += [*_table(levels, series), "", *_bound_section(series, peaks, flops, weight_bytes)]
     lines += ["## Latency (non-streaming), per server", ""]
     for name in names:
         lines += [f"### {name}", "", summarize(series[name]), ""]

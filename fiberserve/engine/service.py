@@ -39,9 +39,9 @@ from fiberserve.engine.scheduler import Scheduler
 from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent, TokenLogprob
 from fiberserve.model import kernels
 from fiberserve.model.assets import DEFAULT_MODEL_NAME, default_model_path
+from fiberserve.model.block_formats import NATIVE_BITS
 from fiberserve.model.llama import KVCache, LlamaModel
 from fiberserve.model.loader import Checkpoint, load_checkpoint
-from fiberserve.model.quant_blocks import NATIVE_BITS
 from fiberserve.model.tokenizer import Tokenizer, load_tokenizer
 from fiberserve.runtime import FiberPool, Isolation, Program
 from fiberserve.runtime.allocator import keep_freed_buffers, return_freed_buffers
@@ -75,17 +75,28 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 AUTO_INT4_TYPES = frozenset(NATIVE_BITS)
 
 
+#: The largest bf16 copy of a model's decoder weights that ``--quantization auto`` makes on a CPU with AMX tiles:
+#: below it the weights nearly stay in cache and the tiles' arithmetic wins; above it decode is bound by memory, and
+#: the file's own blocks read a third of bf16's bytes (and add no copy).
+AMX_BF16_MAX_BYTES = 512 << 20
+
+
 def resolve_quantization(name: str, checkpoint: Checkpoint, device: str) -> str:
     """``auto`` is int4 where that mode serves the file's own weights (a GGUF whose decoder matrices are all in
     blocks int4 computes with as they are, as llama.cpp does: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
     IQ4_NL) and is the faster mode: on a CPU whose bf16 products do not run on AMX tiles (there, int4's integer
-    products win at every batch size; on the tiles bf16 wins from a few sequences on).  Otherwise none."""
+    products win at every batch size), and on one whose do for a model whose bf16 decoder weights would exceed
+    :data:`AMX_BF16_MAX_BYTES` (on the tiles bf16 wins from a few sequences on only while the weights are small).
+    Otherwise none."""
     if name != "auto":
         return name
     if device != "cpu" or not checkpoint.decoder_weight_types or not checkpoint.decoder_weight_types <= AUTO_INT4_TYPES:
         return "none"
     kernels.load()
-    return "none" if kernels.bf16_amx() else "int4"
+    config = checkpoint.config
+    attention = config.hidden_size * (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    bf16_bytes = 2 * config.num_layers * (attention + 3 * config.hidden_size * config.intermediate_size)
+    return "none" if kernels.bf16_amx() and bf16_bytes <= AMX_BF16_MAX_BYTES else "int4"
 
 
 @dataclass

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fiberserve.model.block_formats import NATIVE_BITS
 from fiberserve.model.config import (
     OFFSET_NORMS,
     ModelConfig,
@@ -32,7 +33,7 @@ from fiberserve.model.config import (
     model_format,
     open_gguf,
 )
-from fiberserve.model.quant_blocks import NATIVE_BITS, QuantBlocks
+from fiberserve.model.quant_blocks import QuantBlocks
 
 
 class LazyWeights(Mapping[str, torch.Tensor]):

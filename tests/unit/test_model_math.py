@@ -357,7 +357,8 @@ def test_pick_draws_what_the_race_over_forward_draws(tiny_dirs, quantization, dt
 @pytest.mark.parametrize("qtype", [None, "F16", "Q4_1", "Q4_0", "Q8_0", "Q6_K"])
 def test_default_quantization_is_the_files_own_where_int4_is_faster(tmp_path, tiny_dirs, qtype):
     """``--quantization auto``: int4 only for a GGUF whose decoder matrices are all in formats served in their own
-    blocks (so the file's weights exactly), and only on a CPU whose bf16 products do not run on AMX tiles."""
+    blocks (so the file's weights exactly), and, on a CPU whose bf16 products run on AMX tiles, only for a model
+    too large for a bf16 copy (this one is small)."""
     import gguf
 
     from fiberserve.engine.service import resolve_quantization
@@ -371,6 +372,11 @@ def test_default_quantization_is_the_files_own_where_int4_is_faster(tmp_path, ti
     int4_faster = "none" if kernels.bf16_amx() else "int4"
     assert resolve_quantization("auto", ck, "cpu") == (int4_faster if qtype not in (None, "F16") else "none")
     assert resolve_quantization("auto", ck, "cuda") == "none"
+    # a 1B model's shape in the same blocks: its own blocks on every CPU (a bf16 copy would be 2.4 GB)
+    big = dataclasses.replace(ck.config, hidden_size=2048, intermediate_size=8192, num_layers=16, head_dim=64)
+    big = dataclasses.replace(big, num_heads=32, num_kv_heads=8)
+    large = dataclasses.replace(ck, config=big)
+    assert resolve_quantization("auto", large, "cpu") == ("int4" if qtype not in (None, "F16") else "none")
     assert resolve_quantization("none", ck, "cpu") == "none" and resolve_quantization("int4", ck, "cpu") == "int4"
     hf = load_checkpoint(tiny_dirs["hf"])
     assert hf.decoder_weight_types == frozenset() and resolve_quantization("auto", hf, "cpu") == "none"

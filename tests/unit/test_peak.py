@@ -1,4 +1,5 @@
-"""`fiberserve bench peak`: the FLOP count per token and the measured dot-product peaks."""
+"""`fiberserve bench peak`: the FLOP count and weight bytes per token, the measured dot-product peaks and read
+bandwidth."""
 
 from __future__ import annotations
 
@@ -9,8 +10,17 @@ from pathlib import Path
 import pytest
 
 from fiberserve.bench.cli import main as bench_main
-from fiberserve.bench.peak import LACKING, Peaks, bound_tokens_per_s, linear_flops, measure_peaks
-from fiberserve.model.config import ModelConfig
+from fiberserve.bench.peak import (
+    LACKING,
+    Peaks,
+    bound_tokens_per_s,
+    linear_flops,
+    measure_peaks,
+    memory_bound_tokens_per_s,
+    weight_bytes_per_token,
+)
+from fiberserve.model.config import ModelConfig, read_config
+from fiberserve.model.gguf_file import GgufFile
 
 SMOLLM2_135M = ModelConfig(
     architecture="llama",
@@ -41,6 +51,7 @@ def test_peaks_exist_exactly_where_the_cpu_has_the_instructions(tmp_path):
     assert (peaks.bf16 > 0) == ("avx512_bf16" in flags)
     assert (peaks.int8 > 0) == ("avx512_vnni" in flags) == (peaks.q4_1 > 0)
     assert (peaks.amx_bf16 > 0) == ("amx_bf16" in flags)  # Linux grants the tiles wherever the CPU has them
+    assert 1e9 < peaks.read_bytes < 1e12  # one core reads memory at some GB/s, never a TB/s (nothing cached)
     assert [p.name for p in tmp_path.iterdir()] == [next(tmp_path.glob("fiberserve_peak_*.so")).name]  # built once
 
 
@@ -71,6 +82,20 @@ def test_bench_peak_command_prints_the_peaks_and_bounds(model_path, cache_dir, c
     assert f"decode-only bound at the vector peak ({'bf16' if bf16 else 'fp32'})" in out
     assert (f"decode-only bound at the bf16 peak: {LACKING}" in out) == (not bf16)
     assert ": 0 tokens/s" not in out  # a peak the CPU lacks is said so, not a bound of 0
+    # the embedded file's tensors, its tied embedding read as the head: every byte but the metadata's
+    assert "weight bytes read per generated token: 96.6 MB" in out
+    assert "memory read bandwidth: " in out and "memory-bound decode bound (one sequence): " in out
+
+
+def test_weight_bytes_per_token_are_the_files_tensors_but_an_untied_embedding(tiny_dirs):
+    gguf_path, hf_dir = tiny_dirs["gguf"], tiny_dirs["hf"]
+    tensors = {t.name: t.data.nbytes for t in GgufFile(gguf_path).tensors}
+    assert "output.weight" in tensors  # the tiny model's head is its own: the embedding reads one row a token
+    expected = sum(tensors.values()) - tensors["token_embd.weight"]
+    assert weight_bytes_per_token(gguf_path, read_config(gguf_path)) == expected
+    # a Hugging Face directory is served in bf16: 2 bytes per multiply-add of the linear layers
+    assert weight_bytes_per_token(hf_dir, read_config(hf_dir)) == linear_flops(read_config(hf_dir)).generated
+    assert memory_bound_tokens_per_s(20e9, 500e6) == 40.0
 
 
 def test_the_vector_peak_is_bf16_where_the_cpu_has_it_else_fp32():
@@ -79,10 +104,11 @@ def test_the_vector_peak_is_bf16_where_the_cpu_has_it_else_fp32():
 
 
 def test_a_peak_the_cpu_lacks_is_said_so_not_zero():
-    lacking = Peaks(threads=2, fp32=203e9, bf16=0, int8=0, q4_1=0, amx_bf16=0).describe()
+    lacking = Peaks(threads=2, fp32=203e9, bf16=0, int8=0, q4_1=0, amx_bf16=0, read_bytes=21.44e9).describe()
     assert lacking == (
         "2 threads: bf16 - (the CPU lacks it) (vdpbf16ps), bf16 on AMX tiles - (the CPU lacks it) (tdpbf16ps), "
-        "int8 - (the CPU lacks it) (vpdpbusd), int8 in Q4_1 blocks -, fp32 203 GFLOP/s (vfmadd231ps)"
+        "int8 - (the CPU lacks it) (vpdpbusd), int8 in Q4_1 blocks -, fp32 203 GFLOP/s (vfmadd231ps); memory read "
+        "21.4 GB/s"
     )
     full = Peaks(threads=2, fp32=229e9, bf16=466e9, int8=934e9, q4_1=678e9, amx_bf16=4100e9).describe()
     assert "bf16 466 GFLOP/s (vdpbf16ps), bf16 on AMX tiles 4100 GFLOP/s (tdpbf16ps), int8 934 GOP/s" in full

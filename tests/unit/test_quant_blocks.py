@@ -7,31 +7,25 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 
+from fiberserve.bench.block_quantizers import quantize_blocks
 from fiberserve.model import LlamaModel, kernels, load_checkpoint
+from fiberserve.model.block_formats import NATIVE_BITS
 from fiberserve.model.linear import QuantLinear, quant_kernel_available
-from fiberserve.model.quant_blocks import NATIVE_BITS, QUANT_GROUP, QuantBlocks
-from tests.k_quants import quantize_k
+from fiberserve.model.quant_blocks import QUANT_GROUP, QuantBlocks
 from tests.tiny_models import TINY, random_weights, write_gguf
 
 FORMATS = sorted(NATIVE_BITS)
 
 
 def file_tensor(kind: str, rows: int = 48, inputs: int = 256, seed: int = 0) -> np.ndarray:
-    """A matrix quantized into ``kind``'s bytes, [rows, bytes per row]: by gguf, or for the K formats (which gguf
-    cannot write) by tests/k_quants.py; IQ4_NL, which neither writes, as random indices under random scales."""
+    """A matrix quantized into ``kind``'s bytes, [rows, bytes per row]: by gguf, or for the formats gguf cannot write
+    (the K formats, IQ4_NL) by fiberserve/bench/block_quantizers.py."""
     rng = np.random.default_rng(seed)
-    if kind == "IQ4_NL":
-        raw = rng.integers(0, 256, (rows, inputs // 32, 18), dtype=np.uint8)
-        scales = (rng.random((rows, inputs // 32)) * 0.01).astype(np.float16)
-        raw[..., :2] = scales.view(np.uint8).reshape(rows, -1, 2)
-        return raw.reshape(rows, -1)
     weight = rng.normal(0, 0.1, (rows, inputs)).astype(np.float32)
     weight[:, :5] *= 20  # a few large values: blocks whose scale and min differ
-    if kind.endswith("_K"):
-        return quantize_k(weight, kind)
-    return quantize(weight, gguf.GGMLQuantizationType[kind])
+    return quantize_blocks(weight, kind)
 
 
 @pytest.mark.parametrize("kind", FORMATS)
@@ -96,7 +90,7 @@ def test_the_product_is_the_blocks_times_int8_activations(kind):
     assert torch.equal(layer(x[:1]), layer(x)[:1])
 
 
-@pytest.mark.parametrize("kind", [k for k in FORMATS if k != "IQ4_NL"])  # nothing here writes IQ4_NL files
+@pytest.mark.parametrize("kind", FORMATS)
 def test_a_file_in_a_served_format_runs_in_its_own_blocks(tmp_path, kind):
     if NATIVE_BITS[kind] == 8 and not quant_kernel_available():
         pytest.skip("8-bit blocks need the extension's kernel (AVX512-VNNI or AVX2)")

@@ -51,6 +51,13 @@ def test_report_ratios_and_compute_bound_shares(tmp_path):
     assert "int8 in Q4_1 blocks 1250 GOP/s (62% of int8)" in text
     assert "| vLLM | 64 |" not in text  # shares only for our own rows
     assert "## Analysis" not in text and "Targets" not in text  # figures only
+    assert "Memory-bound decode bound" not in text  # no weight bytes given: no memory bound
+    # 20 GB/s over 500 MB of weights a token: 40 tokens/s, which C=1's 100 tokens/s is 250% of
+    read = Peaks(threads=2, fp32=5e11, bf16=1e12, int8=2e12, q4_1=1.25e12, amx_bf16=4e12, read_bytes=20e9)
+    text = render("c", [1, 64], series, {}, {}, servers, [], read, flops, weight_bytes=500e6)
+    assert (
+        "memory read 20.0 GB/s / 500 MB of weights per token = 40.0 tokens/s; C=1 reached fiberserve 250% of it."
+    ) in text
     # a CPU without AVX512-BF16 / VNNI measures no such peak: "-" rather than a division by zero
     no_dot = Peaks(threads=2, fp32=5e11, bf16=0.0, int8=0.0, q4_1=0.0, amx_bf16=0.0)
     text = render("c", [1, 64], series, {}, {}, servers, [], no_dot, flops)

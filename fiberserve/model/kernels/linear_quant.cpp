@@ -212,6 +212,14 @@ inline void step(const QuantizedRows& x, int64_t row0, int64_t input, const __m5
   }
 }
 
+// sums[0] += every other chain's partial sums.
+template <int kChains, int MR, int NR>
+inline void join_chains(__m512i (&sums)[kChains][MR][NR]) {
+  for (int k = 1; k < kChains; ++k)
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < NR; ++c) sums[0][r][c] = _mm512_add_epi32(sums[0][r][c], sums[k][r][c]);
+}
+
 // The value `store` writes, read back: what a product rounded to out_t hands the next kernel.
 inline __m512 stored(__m512 y, const c10::BFloat16*) {
   alignas(64) c10::BFloat16 rounded[kBlock];
@@ -251,11 +259,15 @@ template <int MR, int NR, typename F, bool kGated, typename out_t>
   __m512 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
+  // A tile of few rows has too few integer sums to hide vpdpbusd's latency: each sum is kept as kChains partial
+  // sums, added before scaling (integer addition: the same bits in any order).
+  constexpr int kChains = MR <= 2 ? 2 : 1;
   for (int64_t b = 0; b < x.blocks; ++b) {
-    __m512i sums[MR][NR];
+    __m512i sums[kChains][MR][NR];
     if constexpr (F::kBits == 4) {
-      for (int r = 0; r < MR; ++r)
-        for (int c = 0; c < NR; ++c) sums[r][c] = _mm512_setzero_si512();
+      for (int k = 0; k < kChains; ++k)
+        for (int r = 0; r < MR; ++r)
+          for (int c = 0; c < NR; ++c) sums[k][r][c] = _mm512_setzero_si512();
       for (int j = 0; j < 4; ++j) {
         __m512i lo[NR], hi[NR];
         for (int c = 0; c < NR; ++c) {
@@ -263,23 +275,27 @@ template <int MR, int NR, typename F, bool kGated, typename out_t>
           lo[c] = _mm512_and_si512(v, low);
           hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         }
-        step<MR, NR>(x, row0, b * kGroup + 4 * j, lo, sums);
-        step<MR, NR>(x, row0, b * kGroup + 16 + 4 * j, hi, sums);
+        step<MR, NR>(x, row0, b * kGroup + 4 * j, lo, sums[0]);
+        step<MR, NR>(x, row0, b * kGroup + 16 + 4 * j, hi, sums[kChains - 1]);
       }
-      scale_group<MR, NR, F>(x, row0, b, b, sums, cols, acc);
+      join_chains(sums);
+      scale_group<MR, NR, F>(x, row0, b, b, sums[0], cols, acc);
     } else {
       constexpr int kGroupSteps = kSteps / F::kScalesPerBlock;
       for (int h = 0; h < F::kScalesPerBlock; ++h) {
         for (int r = 0; r < MR; ++r) {
           const __m512i start = F::kMins ? _mm512_setzero_si512() : _mm512_set1_epi32(x.offset[(row0 + r) * x.blocks + b]);
-          for (int c = 0; c < NR; ++c) sums[r][c] = start;
+          for (int c = 0; c < NR; ++c) sums[0][r][c] = start;
+          for (int k = 1; k < kChains; ++k)
+            for (int c = 0; c < NR; ++c) sums[k][r][c] = _mm512_setzero_si512();
         }
         for (int s = h * kGroupSteps; s < (h + 1) * kGroupSteps; ++s) {
           __m512i wv[NR];
           for (int c = 0; c < NR; ++c) wv[c] = _mm512_loadu_si512(cols.w + c * cols.w_stride + (b * kSteps + s) * 64);
-          step<MR, NR>(x, row0, b * kGroup + 4 * s, wv, sums);
+          step<MR, NR>(x, row0, b * kGroup + 4 * s, wv, sums[s % kChains]);
         }
-        scale_group<MR, NR, F>(x, row0, b, b * F::kScalesPerBlock + h, sums, cols, acc);
+        join_chains(sums);
+        scale_group<MR, NR, F>(x, row0, b, b * F::kScalesPerBlock + h, sums[0], cols, acc);
       }
     }
   }

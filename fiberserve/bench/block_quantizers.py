@@ -1,12 +1,42 @@
-"""A plain quantizer into llama.cpp's K formats (Q4_K, Q5_K, Q6_K), which gguf can read but not write: each block's
-scale from its range, rounded to the nearest step, packed as llama.cpp lays the bytes out.  For test files only
-(llama.cpp's own quantizer searches for better scales; the layout is what matters here)."""
+"""Quantizers into every GGUF block format the product serves, for the files that tests and benchmarks write.
+
+gguf writes Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0; the K formats (Q4_K, Q5_K, Q6_K) and IQ4_NL, which gguf can read
+but not write, are quantized here plainly: each block's scale from its range, rounded to the nearest step, packed
+as llama.cpp lays the bytes out (llama.cpp's own quantizer searches for better scales; the layout, and so the
+work of serving the file, is what matters here).
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
+from fiberserve.model.block_formats import IQ4_NL_VALUES
+
 SUPER = 256
+
+
+def quantize_blocks(weights: np.ndarray, type_name: str) -> np.ndarray:
+    """``weights`` [N, K] as ``type_name``'s bytes [N, bytes per row], for any format the product serves."""
+    if type_name.endswith("_K"):
+        return quantize_k(weights, type_name)
+    if type_name == "IQ4_NL":
+        return quantize_iq4_nl(weights)
+    import gguf
+    from gguf.quants import quantize
+
+    return quantize(np.ascontiguousarray(weights, dtype=np.float32), gguf.GGMLQuantizationType[type_name])
+
+
+def quantize_iq4_nl(weights: np.ndarray) -> np.ndarray:
+    """``weights`` [N, K] (K % 32 == 0) -> IQ4_NL's bytes: per 32 inputs a float16 ``d`` and 16 bytes of indices
+    into :data:`IQ4_NL_VALUES` (element l in the low nibble of byte l, element l + 16 in its high nibble)."""
+    rows = weights.shape[0]
+    blocks = weights.astype(np.float32).reshape(rows, -1, 32)
+    peak = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[..., None], -1)[..., 0]
+    d = (peak / IQ4_NL_VALUES[0]).astype(np.float16)
+    scaled = blocks / np.where(d != 0, d.astype(np.float32), 1)[..., None]
+    q = np.abs(scaled[..., None] - IQ4_NL_VALUES).argmin(-1).astype(np.uint8)
+    return np.concatenate([_f16(d), q[..., :16] | (q[..., 16:] << 4)], -1).reshape(rows, -1)
 
 
 def quantize_k(weights: np.ndarray, type_name: str) -> np.ndarray:
@@ -55,5 +85,6 @@ def _q6_k(supers: np.ndarray) -> np.ndarray:
     q = (np.clip(np.round(groups / np.where(step != 0, step, 1)), -32, 31) + 32).astype(np.uint8)
     q = q.reshape(*supers.shape[:2], 2, 4, 32)  # each 128 inputs: 4 runs of 32
     ql = (q[..., 0:2, :] & 15) | ((q[..., 2:4, :] & 15) << 4)  # runs 0, 1 in the low nibbles, 2, 3 in the high
-    qh = sum(((q[..., j, :] >> 4) & 3) << (2 * j) for j in range(4)).astype(np.uint8)  # run j's top bits at 2j
+    tops = np.stack([((q[..., j, :] >> 4) & 3) << (2 * j) for j in range(4)])  # run j's top bits at 2j
+    qh = np.bitwise_or.reduce(tops, axis=0).astype(np.uint8)
     return np.concatenate([ql.reshape(*q.shape[:2], 128), qh.reshape(*q.shape[:2], 64), sc.view(np.uint8), _f16(d)], -1)
