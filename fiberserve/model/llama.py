@@ -54,6 +54,7 @@ from tqdm import tqdm
 
 from fiberserve.model import kernels
 from fiberserve.model.config import ModelConfig
+from fiberserve.model.file_rows import FileRows
 from fiberserve.model.linear import GateUp, Linear, QuantLinear, make_linear, quant_kernel_available
 from fiberserve.model.loader import Checkpoint, LazyWeights
 from fiberserve.model.quant_blocks import QuantBlocks
@@ -354,9 +355,7 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        self.embed = w.read_as("model.embed_tokens.weight", dtype).to(self.device)
         tied = config.tie_word_embeddings or "lm_head.weight" not in w
-        self.lm_head = self.embed if tied else w.read_as("lm_head.weight", dtype).to(self.device)
         head_bits = 8 if quantization != "none" and quant_kernel_available() else 4  # llama.cpp's Q8_0 output head
         head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
         file_blocks = w.blocks(head_name) if quantization == "int4" else None
@@ -364,6 +363,8 @@ class LlamaModel:
             self.logits = make_linear(file_blocks.map_rows(lambda t: t.to(self.device)), None, quantization, dtype)
         else:
             self.logits = make_linear(w[head_name].to(self.device), None, quantization, dtype, head_bits)
+        self.embed = self._rows_of("model.embed_tokens.weight", w, quantization)
+        self.lm_head = self.embed if tied else self._rows_of("lm_head.weight", w, quantization)
         self.norm = w["model.norm.weight"].to(device=self.device, dtype=torch.float32)
         self.quantization = quantization
         #: Attention runs on :func:`.kernels.paged_attention` (CPU, a head size and group the kernel takes).
@@ -436,6 +437,23 @@ class LlamaModel:
         """:meth:`forward`, then the argmax of each row (the first maximum): the same tokens (see :meth:`pick`)."""
         return self.pick(batch, cache)
 
+    def _rows_of(self, name: str, w: LazyWeights, quantization: str) -> torch.Tensor | FileRows:
+        """The embedding (or head) matrix the lookups and the exact re-scoring index: in int4 on CPU, a matrix the
+        file stores in its own blocks is read a few rows at a time (:class:`.FileRows`, no copy); else it is read
+        whole in the model's dtype."""
+        rows = w.rows(name) if quantization == "int4" and self.device.type == "cpu" else None
+        if rows is not None:
+            return FileRows(*rows, self.dtype)
+        return w.read_as(name, self.dtype).to(self.device)
+
+    def _head_rows(self, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the re-scoring kernels read for ``candidates`` [R, k]: the whole head where it is in memory, else
+        the table of rows read from the file and the candidates' places in it (-1, a row of NaN's missing
+        candidate, reads row 0, never used)."""
+        if isinstance(self.lm_head, torch.Tensor):
+            return self.lm_head, None
+        return self.lm_head.table_rows(candidates.clamp(min=0))
+
     @torch.inference_mode()
     def pick(
         self, batch: ForwardBatch, cache: KVCache, race: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -457,7 +475,8 @@ class LlamaModel:
         if self.dtype != torch.float32 and k < self.config.vocab_size and not capped:
             found = self.logits.race(h.to(self.dtype), k, inverse, seeds)
             if found is not None:
-                picked = kernels.refined_race(found, h, self.lm_head, inverse, seeds).tolist()
+                weight, weight_rows = self._head_rows(found[1][:, :REFINED_LOGITS])
+                picked = kernels.refined_race(found, h, weight, inverse, seeds, weight_rows).tolist()
                 if all(token >= 0 for token in picked):  # else a row of NaN: the logits below decide
                     return picked
         logits = self._logits(h)
@@ -582,7 +601,11 @@ class LlamaModel:
         """
         k = min(REFINED_LOGITS, logits.shape[-1])
         if logits.device.type == "cpu":  # one kernel: top-k (5x torch.topk over a vocabulary), float64 dots
-            kernels.refine_top_logits(logits, h, self.lm_head, k)
+            if isinstance(self.lm_head, torch.Tensor):
+                kernels.refine_top_logits(logits, h, self.lm_head, k)
+            else:  # the candidates' rows, read from the file
+                table, places = self.lm_head.table_rows(kernels.top_k_rows(logits, k)[1].clamp(min=0))
+                kernels.refine_top_logits(logits, h, table, k, places)
             return
         top = logits.topk(k, dim=-1).indices  # [R, k]
         logits.scatter_(1, top, (h.unsqueeze(1) * self.lm_head[top].float()).sum(-1))

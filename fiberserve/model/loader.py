@@ -44,7 +44,18 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         self._readers: dict[str, Callable[[], torch.Tensor]] = {}
         self._block_readers: dict[str, Callable[[], QuantBlocks]] = {}
         self._typed_readers: dict[str, Callable[[torch.dtype], torch.Tensor]] = {}
+        self._row_readers: dict[str, tuple[Callable[[np.ndarray], torch.Tensor], int, int]] = {}
         self._keep_open = keep_open
+
+    def add_rows(self, name: str, reader: Callable[[np.ndarray], torch.Tensor], rows: int, width: int) -> None:
+        """How to read some of ``name``'s rows (float32) straight from the file's mapping, for a matrix [rows,
+        width] stored in a format served in its own blocks."""
+        self._row_readers[name] = (reader, rows, width)
+
+    def rows(self, name: str) -> tuple[Callable[[np.ndarray], torch.Tensor], int, int] | None:
+        """A reader of ``name``'s rows by index (float32 [len(index), width]) from the file, with the matrix's rows
+        and width; None where there is none."""
+        return self._row_readers.get(name)
 
     def add_blocks(self, name: str, reader: Callable[[], QuantBlocks]) -> None:
         """How to read ``name``'s own blocks, for a file that stores it in a format served in its own blocks."""
@@ -73,6 +84,7 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     def remove(self, name: str) -> Callable[[], torch.Tensor]:
         self._block_readers.pop(name, None)
         self._typed_readers.pop(name, None)
+        self._row_readers.pop(name, None)
         return self._readers.pop(name)
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -173,11 +185,14 @@ def load_gguf(path: Path) -> Checkpoint:
             weights.add_typed(name, _gguf_typed_reader(tensor, release))
         if tensor.tensor_type.name in NATIVE_BITS:
             weights.add_blocks(name, _gguf_blocks_reader(tensor, heads, release))
+            if heads is None and tensor.data.ndim == 2:
+                weights.add_rows(name, functools.partial(_dequantized, tensor), *reversed(tensor.shape))
     return Checkpoint(config, _split_fused(weights, config), freq_factors, frozenset(types))
 
 
-def _dequantized(tensor: Any, rows: slice = slice(None)) -> torch.Tensor:
-    """A GGUF tensor's ``rows`` as a float32 tensor of its own (the file's mapping is read-only)."""
+def _dequantized(tensor: Any, rows: slice | np.ndarray = slice(None)) -> torch.Tensor:
+    """A GGUF tensor's ``rows`` (a slice, or row indices) as a float32 tensor of its own (the file's mapping is
+    read-only)."""
     import gguf
 
     array = np.asarray(gguf.quants.dequantize(tensor.data[rows], tensor.tensor_type), dtype=np.float32)

@@ -457,6 +457,14 @@ def test_refine_top_logits_rescores_the_top_k_as_float64_dot_products(weight_dty
     alone = logits[4:5].clone()
     kernels.refine_top_logits(alone, hidden[4:5], weight, k)
     assert torch.equal(alone[0], refined[4])  # a row alone: the same bits
+    # each candidate's row found elsewhere (a table of rows read from the file's blocks): the same bits
+    top_rows = kernels.top_k_rows(logits, k)[1]
+    table, places = weight[top_rows].flatten(0, 1).flip(0), torch.arange(rows * k).flip(0).view(rows, k)
+    elsewhere = logits.clone()
+    kernels.refine_top_logits(elsewhere, hidden, table, k, places)
+    assert torch.equal(elsewhere, expected)
+    with pytest.raises(RuntimeError, match="weight_rows must index weight's rows"):
+        kernels.refine_top_logits(logits.clone(), hidden, table, k, places + 1)
 
 
 @pytest.mark.skipif(not kernels.quant_gemm_available(), reason="this CPU has neither AVX512-VNNI nor AVX2")
@@ -503,6 +511,10 @@ def test_refined_race_of_a_greedy_row_is_the_argmax_of_the_refined_logits(weight
     greedy = torch.zeros(rows), torch.zeros(rows, dtype=torch.long)
     picked = kernels.refined_race((*candidates, *candidates), hidden, weight, *greedy)
     assert torch.equal(picked, expected) and picked[3] == -1
+    # each row's first k candidates' rows in a table of their own (the row of NaN's: any)
+    table = weight[candidates[1][:, :k].clamp(min=0)].flatten(0, 1)
+    places = torch.arange(rows * k).view(rows, k)
+    assert torch.equal(kernels.refined_race((*candidates, *candidates), hidden, table, *greedy, places), picked)
     rest = kernels.top_k_rows(logits, k + 1)[1][:, k]
     assert bool((picked == rest).any()) and bool((picked != rest).any())
 

@@ -110,3 +110,36 @@ def test_a_file_in_a_served_format_runs_in_its_own_blocks(tmp_path, kind):
 
     exact = logits_of(LlamaModel(load_checkpoint(path)), tokens)
     assert (logits_of(model, tokens) - exact).abs().max() < 0.2
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_int4_reads_embedding_and_head_rows_from_the_file_with_the_same_bits(tmp_path, tied):
+    """No copy of the embedding or the head in memory: their rows are dequantized from the file's blocks when
+    looked up or re-scored, and every logit and pick is what the matrices read whole give."""
+    if not quant_kernel_available():
+        pytest.skip("8-bit blocks need the extension's kernel (AVX512-VNNI or AVX2)")
+    from fiberserve.model.file_rows import FileRows
+    from tests.unit.test_model_math import PAGE, KVCache, prefill_batch
+
+    cfg = {**TINY, "hidden_size": 256, "intermediate_size": 512, "tie_word_embeddings": tied}
+    weights = random_weights(cfg, seed=9)
+    path = write_gguf(tmp_path / "q.gguf", cfg, weights, qtype=gguf.GGMLQuantizationType.Q8_0)
+    model = LlamaModel(load_checkpoint(path), torch.bfloat16, quantization="int4")
+    assert isinstance(model.embed, FileRows) and isinstance(model.lm_head, FileRows)
+    assert (model.lm_head is model.embed) == tied
+    whole = LlamaModel(load_checkpoint(path), torch.bfloat16, quantization="int4")
+    ck = load_checkpoint(path)
+    whole.embed = ck.weights.read_as("model.embed_tokens.weight", torch.bfloat16)
+    whole.lm_head = whole.embed if tied else ck.weights.read_as("lm_head.weight", torch.bfloat16)
+    tokens = torch.tensor([[5, 17, 5], [200, 3, 99]])
+    assert torch.equal(model.embed[tokens], whole.embed[tokens])
+    seqs = [([5, 17, 200, 3, 99, 42, 7], list(range(8))), ([9, 9, 1], list(range(8, 16)))]
+    for m in (model, whole):
+        m.cache = KVCache(m.config, 16, PAGE, m.dtype, "cpu")
+    logits = model.forward(prefill_batch(seqs), model.cache)
+    assert torch.equal(logits, whole.forward(prefill_batch(seqs), whole.cache))
+    assert model.pick(prefill_batch(seqs), model.cache) == whole.pick(prefill_batch(seqs), whole.cache)
+    for seed in range(8):  # sampled rows too: the race's draws over the re-scored candidates
+        rows = logits.shape[0]
+        race = torch.linspace(0.5, 2.0, rows), torch.arange(rows) + 100 * seed
+        assert model.pick(prefill_batch(seqs), model.cache, race) == whole.pick(prefill_batch(seqs), whole.cache, race)

@@ -314,11 +314,14 @@ def refined_race(
     weight: torch.Tensor,
     inv_temperature: torch.Tensor,
     seeds: torch.Tensor,
+    weight_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each row's pick over its logits after :func:`refine_top_logits` with ``k``, from a head's race
     ``candidates`` (with ``k + 1``) alone: the argmax (first maximum) for a row with ``inv_temperature`` 0, else
-    exactly :func:`race_rows`' pick over the re-scored row.  LongTensor [R], -1 for a row of NaN."""
-    return torch.ops.fiberserve.refined_race(*candidates, hidden, weight, inv_temperature, seeds)
+    exactly :func:`race_rows`' pick over the re-scored row.  LongTensor [R], -1 for a row of NaN.  ``weight``: the
+    head [V, W]; or, with ``weight_rows`` int64 [R, k], any matrix whose row ``weight_rows[r, j]`` is row r's j-th
+    candidate's."""
+    return torch.ops.fiberserve.refined_race(*candidates, hidden, weight, inv_temperature, seeds, weight_rows)
 
 
 def top_k_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,13 +332,16 @@ def top_k_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.fiberserve.top_k_rows(x, k)
 
 
-def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int) -> None:
+def refine_top_logits(
+    logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int, weight_rows: torch.Tensor | None = None
+) -> None:
     """Re-score the ``k`` (<= 64) largest logits of each row in place: ``logits`` float32 [R, V] (contiguous,
-    CPU), ``hidden`` float32 [R, W], ``weight`` [V, W] float32 or bf16.  Each candidate's logit becomes the dot
-    product of its weight row and the row's hidden state, accumulated in float64 and rounded once to float32
-    (in a fixed order: the same bits for a row alone or in any batch).  The candidates are
-    :func:`top_k_rows`'s."""
-    torch.ops.fiberserve.refine_top_logits(logits, hidden, weight, k)
+    CPU), ``hidden`` float32 [R, W], ``weight`` [V, W] float32 or bf16; or, with ``weight_rows`` int64 [R, k], any
+    such matrix whose row ``weight_rows[r, j]`` is row r's j-th candidate's (:func:`top_k_rows`' order).  Each
+    candidate's logit becomes the dot product of its weight row and the
+    row's hidden state, accumulated in float64 and rounded once to float32 (in a fixed order: the same bits for a
+    row alone or in any batch).  The candidates are :func:`top_k_rows`'s."""
+    torch.ops.fiberserve.refine_top_logits(logits, hidden, weight, k, weight_rows)
 
 
 def decoder_layers(

@@ -69,14 +69,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quant_linear_race(
     const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins, int64_t k,
     const at::Tensor& inv_temperature, const at::Tensor& seeds);
 
-void refine_top_logits(at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight, int64_t k);
+// weight_rows, where given: int64 [rows, k], the row of weight each row's j-th candidate reads (else its token's).
+void refine_top_logits(at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight, int64_t k,
+                       const std::optional<at::Tensor>& weight_rows);
 
 // Each row's pick after refine_top_logits(k) from a head's race candidates alone (quant_linear_race's, with
 // k + 1): for a greedy row (inv_temperature 0) the argmax (first maximum) of the re-scored logits, for a sampled
 // row the race's winner over them, exactly as race_rows over the re-scored row would pick.
 at::Tensor refined_race(const at::Tensor& values, const at::Tensor& indices, const at::Tensor& race_values,
                         const at::Tensor& race_indices, const at::Tensor& hidden, const at::Tensor& weight,
-                        const at::Tensor& inv_temperature, const at::Tensor& seeds);
+                        const at::Tensor& inv_temperature, const at::Tensor& seeds,
+                        const std::optional<at::Tensor>& weight_rows);
 
 // Each row's winner of the race over its logits (float32 [R, V]; -inf excludes a token) at inv_temperature [R]
 // (> 0) with the noise of seeds [R]: a draw from softmax(logits * inv_temperature); -1 for a row with no

@@ -19,7 +19,7 @@ TORCH_LIBRARY(fiberserve, m) {
   m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, ScalarType out_dtype, bool gated=False) -> Tensor");
   m.def("quant_gemm_available() -> bool");
   m.def("top_k_rows(Tensor x, int k) -> (Tensor, Tensor)");
-  m.def("refine_top_logits(Tensor(a!) logits, Tensor hidden, Tensor weight, int k) -> ()");
+  m.def("refine_top_logits(Tensor(a!) logits, Tensor hidden, Tensor weight, int k, Tensor? weight_rows=None) -> ()");
   m.def(
       "bf16_linear_race(Tensor x, Tensor packed, int k, Tensor inv_temperature, Tensor seeds) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
@@ -28,7 +28,7 @@ TORCH_LIBRARY(fiberserve, m) {
       "Tensor seeds) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "refined_race(Tensor values, Tensor indices, Tensor race_values, Tensor race_indices, Tensor hidden, "
-      "Tensor weight, Tensor inv_temperature, Tensor seeds) -> Tensor");
+      "Tensor weight, Tensor inv_temperature, Tensor seeds, Tensor? weight_rows=None) -> Tensor");
   m.def("race_rows(Tensor logits, Tensor inv_temperature, Tensor seeds) -> Tensor");
   m.def(
       "quant_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor? bias, ScalarType out_dtype, "

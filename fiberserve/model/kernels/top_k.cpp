@@ -61,16 +61,31 @@ double exact_dot(const float* h, const weight_t* w, int64_t n) {
   return total;
 }
 
+// weight_rows checked and contiguous (undefined where not given): int64 [rows, k], each within weight's n rows.
+at::Tensor candidate_rows(const std::optional<at::Tensor>& weight_rows, int64_t rows, int64_t k, int64_t n,
+                          const char* op) {
+  if (!weight_rows.has_value()) return at::Tensor();
+  const at::Tensor r = weight_rows->contiguous();
+  TORCH_CHECK(r.scalar_type() == at::kLong && r.dim() == 2 && r.size(0) == rows && r.size(1) == k, op,
+              ": weight_rows must be int64 [rows, k]");
+  TORCH_CHECK(r.numel() == 0 || (r.min().item<int64_t>() >= 0 && r.max().item<int64_t>() < n), op,
+              ": weight_rows must index weight's rows");
+  return r;
+}
+
 }  // namespace
 
-void refine_top_logits(at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight, int64_t k) {
+void refine_top_logits(at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight, int64_t k,
+                       const std::optional<at::Tensor>& weight_rows) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat && logits.device().is_cpu(),
               "refine_top_logits: logits must be a contiguous float32 CPU matrix [rows, vocab]");
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.size(0) == logits.size(0),
               "refine_top_logits: hidden must be float32 [rows, width]");
-  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == logits.size(1) && weight.size(1) == hidden.size(1),
-              "refine_top_logits: weight must be [vocab, width]");
   TORCH_CHECK(k >= 1 && k <= kMaxK && k <= logits.size(1), "refine_top_logits: k must be in [1, min(64, vocab)]");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == hidden.size(1), "refine_top_logits: weight must be [n, width]");
+  const at::Tensor rows_of = candidate_rows(weight_rows, logits.size(0), k, weight.size(0), "refine_top_logits");
+  TORCH_CHECK(rows_of.defined() || weight.size(0) == logits.size(1), "refine_top_logits: weight must be [vocab, width]");
+  const int64_t* rp = rows_of.defined() ? rows_of.data_ptr<int64_t>() : nullptr;
   const at::Tensor h = hidden.contiguous(), w = weight.contiguous();
   const int64_t rows = logits.size(0), vocab = logits.size(1), width = h.size(1);
   float* lp = logits.data_ptr<float>();
@@ -84,8 +99,11 @@ void refine_top_logits(at::Tensor& logits, const at::Tensor& hidden, const at::T
       for (int64_t r = begin; r < end; ++r) {
         float* row = lp + r * vocab;
         top_k_row(row, vocab, k, values, indices);
-        for (int64_t i = 0; i < k; ++i)
-          if (indices[i] >= 0) row[indices[i]] = static_cast<float>(exact_dot(hp + r * width, wp + indices[i] * width, width));
+        for (int64_t i = 0; i < k; ++i) {
+          if (indices[i] < 0) continue;
+          const weight_t* w_row = wp + (rp ? rp[r * k + i] : indices[i]) * width;
+          row[indices[i]] = static_cast<float>(exact_dot(hp + r * width, w_row, width));
+        }
       }
     });
   };
@@ -116,13 +134,16 @@ struct Best {
 // Each row's pick from its head candidates (see refined_race), rows in parallel.
 at::Tensor refined_picks(const at::Tensor& values, const at::Tensor& indices, const at::Tensor& race_values,
                          const at::Tensor& race_indices, const at::Tensor& hidden, const at::Tensor& weight,
-                         const float* inv_temperature, const int64_t* seeds) {
+                         const float* inv_temperature, const int64_t* seeds,
+                         const std::optional<at::Tensor>& weight_rows) {
   TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kFloat && indices.scalar_type() == at::kLong &&
                   indices.sizes() == values.sizes() && values.size(1) >= 2,
               "refined_race: values float32 and indices int64 [rows, k + 1], k >= 1");
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.size(0) == values.size(0),
               "refined_race: hidden must be float32 [rows, width]");
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == hidden.size(1), "refined_race: weight must be [vocab, width]");
+  const at::Tensor rows_of = candidate_rows(weight_rows, values.size(0), values.size(1) - 1, weight.size(0), "refined_race");
+  const int64_t* rp = rows_of.defined() ? rows_of.data_ptr<int64_t>() : nullptr;
   TORCH_CHECK(race_values.sizes() == values.sizes() && race_values.scalar_type() == at::kFloat &&
                   race_indices.sizes() == values.sizes() && race_indices.scalar_type() == at::kLong,
               "refined_race: race_values float32 and race_indices int64 [rows, k + 1]");
@@ -145,7 +166,8 @@ at::Tensor refined_picks(const at::Tensor& values, const at::Tensor& indices, co
         Best best;
         int64_t scored = 0;  // the re-scored candidates: the first k (fewer in a row of NaN)
         for (; scored < k && index[scored] >= 0; ++scored) {
-          const float refined = static_cast<float>(exact_dot(hp + r * width, wp + index[scored] * width, width));
+          const weight_t* w_row = wp + (rp ? rp[r * k + scored] : index[scored]) * width;
+          const float refined = static_cast<float>(exact_dot(hp + r * width, w_row, width));
           best.offer(inv_t > 0.0f ? race_entry(refined, inv_t, seed, index[scored]) : refined, index[scored]);
         }
         if (inv_t > 0.0f) {  // the best race entry of a token not re-scored
@@ -175,10 +197,11 @@ at::Tensor refined_picks(const at::Tensor& values, const at::Tensor& indices, co
 
 at::Tensor refined_race(const at::Tensor& values, const at::Tensor& indices, const at::Tensor& race_values,
                         const at::Tensor& race_indices, const at::Tensor& hidden, const at::Tensor& weight,
-                        const at::Tensor& inv_temperature, const at::Tensor& seeds) {
+                        const at::Tensor& inv_temperature, const at::Tensor& seeds,
+                        const std::optional<at::Tensor>& weight_rows) {
   const auto [t, s] = race_parameters(inv_temperature, seeds, values.size(0));
   return refined_picks(values, indices, race_values, race_indices, hidden, weight,
-                       t.data_ptr<float>(), s.data_ptr<int64_t>());
+                       t.data_ptr<float>(), s.data_ptr<int64_t>(), weight_rows);
 }
 
 at::Tensor race_rows(const at::Tensor& logits, const at::Tensor& inv_temperature, const at::Tensor& seeds) {
