@@ -1,5 +1,6 @@
 """The C++ CPU kernels against plain PyTorch, and their batch invariance (bit-identical rows)."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -315,7 +316,8 @@ def quantized_rows(x: torch.Tensor) -> torch.Tensor:
 
 #: The kernel's weight formats (see kernels.quant_pack): bits, zero, inputs per scale, float32 scales.
 QUANT_FORMATS = {
-    "4-bit": (4, None, 32, False),  # Q4_0, Q4_1
+    "4-bit": (4, None, 32, False),  # Q4_1
+    "4-bit, mins of -8 scales": (4, 8, 32, False),  # Q4_0: no mins stored
     "4-bit, float32 scales": (4, None, 32, True),  # Q4_K
     "signed bytes": (8, 128, 32, False),  # Q8_0, Q5_0, IQ4_NL
     "bytes with mins": (8, None, 32, True),  # Q5_1, Q5_K
@@ -332,6 +334,22 @@ def random_blocks(n: int, k: int, kind: str) -> QuantBlocks:
     if not wide:
         scales, mins = scales.half().float(), mins.half().float()
     return QuantBlocks(q, scales, -zero * scales if zero else mins, bits, zero, group, wide)
+
+
+@pytest.mark.skipif(not kernels.quant_gemm_available(), reason="this CPU has neither AVX512-VNNI nor AVX2")
+def test_q4_0_blocks_pack_without_mins_and_multiply_as_with_them():
+    """Q4_0's mins are -8 times its scales: packed without them, its products have the bits of the same blocks
+    packed with them stored (the kernel computes the same float32 mins)."""
+    torch.manual_seed(9)
+    blocks = random_blocks(64, 512, "4-bit, mins of -8 scales")
+    own = kernels.quant_pack(blocks)
+    stored = kernels.quant_pack(dataclasses.replace(blocks, zero=None))
+    assert own[2].numel() == 0 and torch.equal(stored[2].float(), (-8 * stored[1].float()))
+    x = torch.randn(13, 512).bfloat16()
+    for rows in (1, 2, 6, 13):
+        for out in (torch.float32, torch.bfloat16):
+            mine = kernels.quant_linear(x[:rows], *own, None, out)
+            assert torch.equal(mine, kernels.quant_linear(x[:rows], *stored, None, out))
 
 
 def exact_weights(blocks: QuantBlocks) -> torch.Tensor:

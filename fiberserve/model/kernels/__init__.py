@@ -236,7 +236,8 @@ def quant_pack(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.T
     """``blocks`` (N % 16 == 0) -> (weights, scales, mins) in :func:`quant_linear`'s layout and one of its formats
     (see ``linear_quant.cpp``):
 
-    * 4 bits: q two per byte, scales and mins float16 where their values are (Q4_0, Q4_1), else float32 (Q4_K);
+    * 4 bits: q two per byte, scales and mins float16 where their values are (Q4_1), else float32 (Q4_K); Q4_0's
+      float16 scales alone (its mins are -8 times them, which the kernel computes), the mins returned empty;
     * 8 bits with a zero of 128 and float16 scales per block (Q8_0, Q5_0, IQ4_NL): signed bytes, whose offset the
       kernel computes in integers, so the mins returned are empty;
     * any other 8 bits (Q5_1, Q5_K, Q6_K, mixed formats): bytes with float32 scales and mins (``-zero * scale``
@@ -250,13 +251,14 @@ def quant_pack(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.T
         packed = q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()  # [N/16, K/4, 16, 4]
     signed = blocks.bits == 8 and blocks.zero == 128 and group == 32 and not blocks.float32_scales
     half = signed or (blocks.bits == 4 and not blocks.float32_scales)
+    zero_eight = blocks.bits == 4 and blocks.zero == 8 and half  # Q4_0: no mins stored
     mins = blocks.min if blocks.zero is None else -blocks.zero * blocks.scale
 
     def per_group(t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.half if half else torch.float32).view(n // 16, 16, k // group).permute(0, 2, 1).contiguous()
 
     empty = torch.empty(0, dtype=torch.half)
-    return packed, per_group(blocks.scale), empty if signed else per_group(mins)
+    return packed, per_group(blocks.scale), empty if signed or zero_eight else per_group(mins)
 
 
 def quant_linear(

@@ -3,7 +3,7 @@
 // 32 to int8 (x ~ dx * xq, dx = max|x| / 127).  A block's weights are w = d * q + m, with a scale d and a min m per
 // scale group (the block, or each half of it); the formats (`Format` below) differ in how q is stored:
 //   4 bits (Q4_0, Q4_1, Q4_K): q in 0..15, two per byte; a group's dot product is  d * dx * sum(q * xq) + m * sx,
-//                  sx = dx * sum(xq);
+//                  sx = dx * sum(xq); Q4_0's m is -8 d, computed from d rather than stored (the same value);
 //   8 bits, signed (Q8_0, Q5_0, IQ4_NL): w = d * (q - 128), q stored as a byte; a block's dot product is
 //                  d * dx * (sum(q * xq) - 128 * sum(xq)), no min;
 //   8 bits with mins (Q5_1, Q5_K, Q6_K and blocks of mixed formats): q a byte, the 4-bit arithmetic,
@@ -90,11 +90,14 @@ struct QuantizedRows {
 };
 
 // A weight format of the kernel: the bits of q (4: two per byte; 8: a byte), whether groups have a min (else q is
-// signed, stored as q + 128), the type of the scales and mins, and the inputs each scale covers.
-template <int kBits_, bool kMins_, typename scale_t_, int kScaleGroup_>
+// signed, stored as q + 128), the type of the scales and mins, the inputs each scale covers, and where nonzero the
+// multiple of d that every min is (then no min is stored: the kernel computes it, exactly).
+template <int kBits_, bool kMins_, typename scale_t_, int kScaleGroup_, int kMinSteps_ = 0>
 struct Format {
   static constexpr int kBits = kBits_;
   static constexpr bool kMins = kMins_;
+  static constexpr int kMinSteps = kMinSteps_;
+  static constexpr bool kStoredMins = kMins_ && kMinSteps_ == 0;
   static constexpr int kScaleGroup = kScaleGroup_;
   static constexpr int kScalesPerBlock = kGroup / kScaleGroup_;
   using scale_t = scale_t_;
@@ -102,19 +105,21 @@ struct Format {
   static_assert(kBits == 8 || kScaleGroup == kGroup, "4 bits: a scale per block");
 };
 
-using Q4 = Format<4, true, c10::Half, 32>;         // Q4_0, Q4_1
+using Q4 = Format<4, true, c10::Half, 32>;         // Q4_1 (and Q4_0 blocks of a mixed matrix)
+using Q4Zero8 = Format<4, true, c10::Half, 32, -8>;  // Q4_0: m = -8 d
 using Q4Wide = Format<4, true, float, 32>;         // Q4_K
 using Q8 = Format<8, false, c10::Half, 32>;        // Q8_0, Q5_0, IQ4_NL
 using Q8Mins = Format<8, true, float, 32>;         // Q5_1, Q5_K
 using Q8HalfMins = Format<8, true, float, 16>;     // Q6_K, and blocks of mixed formats
 
-enum class FormatId { kQ4, kQ4Wide, kQ8, kQ8Mins, kQ8HalfMins };
+enum class FormatId { kQ4, kQ4Zero8, kQ4Wide, kQ8, kQ8Mins, kQ8HalfMins };
 
 // fn(F{}) for the format `id` names.
 template <typename Fn>
 void with_format(FormatId id, const Fn& fn) {
   switch (id) {
     case FormatId::kQ4: return fn(Q4{});
+    case FormatId::kQ4Zero8: return fn(Q4Zero8{});
     case FormatId::kQ4Wide: return fn(Q4Wide{});
     case FormatId::kQ8: return fn(Q8{});
     case FormatId::kQ8Mins: return fn(Q8Mins{});
@@ -236,7 +241,8 @@ inline void scale_group(const QuantizedRows& x, int64_t row0, int64_t b, int64_t
   __m512 dv[NR], mv[NR];
   for (int c = 0; c < NR; ++c) {
     dv[c] = load_scales(cols.d + c * cols.dm_stride + g * kBlock);
-    if constexpr (F::kMins) mv[c] = load_scales(cols.m + c * cols.dm_stride + g * kBlock);
+    if constexpr (F::kStoredMins) mv[c] = load_scales(cols.m + c * cols.dm_stride + g * kBlock);
+    else if constexpr (F::kMins) mv[c] = _mm512_mul_ps(dv[c], _mm512_set1_ps(static_cast<float>(F::kMinSteps)));
   }
   for (int r = 0; r < MR; ++r) {
     const __m512 dx = _mm512_set1_ps(x.d[(row0 + r) * x.blocks + b]);
@@ -443,8 +449,8 @@ struct Operands {
   int64_t M;
 };
 
-// The format of packed weights, from their tensors (see kernels.quant_pack): 4 bits are 5-dimensional; signed bytes
-// have no mins; float32 scales hold one per block of 32 or per half block.
+// The format of packed weights, from their tensors (see kernels.quant_pack): 4 bits are 5-dimensional (without mins:
+// Q4_0's, -8 d); signed bytes have no mins; float32 scales hold one per block of 32 or per half block.
 FormatId format_of(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins, int64_t blocks) {
   const int64_t column_blocks = packed.size(0), per_block = column_blocks * blocks * kBlock;
   const bool half = scales.scalar_type() == at::kHalf;
@@ -452,9 +458,9 @@ FormatId format_of(const at::Tensor& packed, const at::Tensor& scales, const at:
               "quant_linear: scales and mins must be float16 or float32, alike");
   TORCH_CHECK(mins.numel() == 0 || mins.numel() == scales.numel(), "quant_linear: mins must match the scales");
   if (packed.dim() == 5) {
-    TORCH_CHECK(scales.numel() == per_block && mins.numel() == per_block,
-                "quant_linear: 4 bits need scales and mins [N / 16, K / 32, 16]");
-    return half ? FormatId::kQ4 : FormatId::kQ4Wide;
+    TORCH_CHECK(scales.numel() == per_block && (mins.numel() == per_block || (half && mins.numel() == 0)),
+                "quant_linear: 4 bits need scales and mins [N / 16, K / 32, 16] (float16 scales alone: Q4_0)");
+    return mins.numel() == 0 ? FormatId::kQ4Zero8 : half ? FormatId::kQ4 : FormatId::kQ4Wide;
   }
   if (mins.numel() == 0) {
     TORCH_CHECK(half && scales.numel() == per_block, "quant_linear: signed bytes need float16 scales [N / 16, K / 32, 16]");

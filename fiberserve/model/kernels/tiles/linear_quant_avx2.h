@@ -97,7 +97,9 @@ template <int MR, typename F>
 inline void scale_group8(const QuantizedRows& x, int64_t row0, int64_t b, int64_t g, const __m256i (&sums)[MR],
                          const typename F::scale_t* d, const typename F::scale_t* m, float* result, int64_t ldr) {
   const __m256 dv = load_scales8(d + g * kBlock);
-  const __m256 mv = F::kMins ? load_scales8(m + g * kBlock) : _mm256_setzero_ps();
+  __m256 mv = _mm256_setzero_ps();
+  if constexpr (F::kStoredMins) mv = load_scales8(m + g * kBlock);
+  else if constexpr (F::kMins) mv = _mm256_mul_ps(dv, _mm256_set1_ps(static_cast<float>(F::kMinSteps)));
   for (int r = 0; r < MR; ++r) {
     __m256 acc = _mm256_load_ps(result + r * ldr);
     if constexpr (F::kMins) acc = _mm256_fmadd_ps(mv, _mm256_set1_ps(x.sum<F::kScaleGroup>(row0 + r, g)), acc);
@@ -159,7 +161,7 @@ template <int MR, int NR, typename F, bool kGated, typename out_t>
   for (int c = 0; c < NR; ++c)
     for (int h = 0; h < 2; ++h)
       half_tile<MR, F>(x, row0, cols.w + c * cols.w_stride + 32 * h, cols.d + c * cols.dm_stride + 8 * h,
-                       F::kMins ? cols.m + c * cols.dm_stride + 8 * h : nullptr, result[0][c] + 8 * h, NR * kBlock);
+                       F::kStoredMins ? cols.m + c * cols.dm_stride + 8 * h : nullptr, result[0][c] + 8 * h, NR * kBlock);
   static_assert(!kGated || NR == 2, "a gated tile is one gate block and its up block");
   store_tile<MR, NR, kGated>(result, bias, out, ldo);
 }
