@@ -109,13 +109,23 @@ class GrammarState:
             self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids))
         else:
             self._matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
-        self._bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+        self._vocab_size = compiled.tokenizer_info.vocab_size
+        self._bitmask = xgr.allocate_token_bitmask(1, self._vocab_size)
         self._apply = xgr.apply_token_bitmask_inplace
 
     def mask(self, row: torch.Tensor) -> None:
         """Set ``-inf`` in ``row`` [vocab] (float32, CPU) at every token the grammar does not allow next."""
         self._matcher.fill_next_token_bitmask(self._bitmask)
         self._apply(row.view(1, -1), self._bitmask)
+
+    def allows_a_token(self, banned: frozenset[int] = frozenset()) -> bool:
+        """Whether the grammar allows some token next other than ``banned`` (the stop tokens, while the sampler
+        bans them): False at a dead end, where no output can continue within the constraint."""
+        row = torch.zeros(self._vocab_size)
+        self.mask(row)
+        if banned:
+            row[sorted(t for t in banned if t < self._vocab_size)] = float("-inf")
+        return bool(torch.isfinite(row).any())
 
     def accept(self, token: int) -> bool:
         """Feed the picked token; False if the grammar refuses it (it cannot, if :meth:`mask` chose it)."""

@@ -90,6 +90,8 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.matched_stop: str | int | None = None
         self.error: str | None = None
+        #: The HTTP status an error maps to: 500, or 400 where the request's own constraint cannot be met.
+        self.error_status = 500
         self.logprobs: list[TokenLogprob] = []
         self.grammar: GrammarState | None = None  #: set by the engine where the request constrains the output
         self.drafter: PromptLookup | None = None  #: set by the scheduler when it first drafts for this sequence
@@ -115,10 +117,22 @@ class Sequence:
         #: Where the scheduler puts this sequence's events (``put_nowait``): its own queue, read with
         #: ``LlmService.events``, or a consumer's shared one (:meth:`forward_events`).
         self.events: asyncio.Queue[SequenceEvent] | EventForwarder = asyncio.Queue()
+        #: Whether a consumer reads the events (each has one), and whether it has read the last.
+        self.events_taken = self.events_read = False
+
+    def take_events(self) -> None:
+        """Claim this sequence's events for one consumer; :class:`EventsTaken` if another has them."""
+        if self.events_taken:
+            raise EventsTaken(
+                f"request {self.request_id} (sequence {self.index}) already has a consumer of its events: "
+                "wait on a request or stream it, not both, and from one task"
+            )
+        self.events_taken = True
 
     def forward_events(self, sink: asyncio.Queue[tuple[Sequence, SequenceEvent]]) -> None:
         """Send this sequence's events, those queued and those to come, to ``sink`` as (sequence, event) pairs:
-        one queue for every sequence a consumer reads, and no task per sequence."""
+        one queue for every sequence a consumer reads, and no task per sequence.  Claims them (:meth:`take_events`)."""
+        self.take_events()
         queued, self.events = self.events, EventForwarder(self, sink)
         while isinstance(queued, asyncio.Queue) and not queued.empty():
             sink.put_nowait((self, queued.get_nowait()))
@@ -157,6 +171,10 @@ class Sequence:
             f"Sequence({self.request_id}#{self.index}, {self.status.value}, "
             f"{self.num_computed}/{self.num_tokens} computed, pages={len(self.pages)})"
         )
+
+
+class EventsTaken(RuntimeError):
+    """A second consumer asked for a sequence's events: each sequence has one reader (a waiter or a stream)."""
 
 
 class EventForwarder:
@@ -208,6 +226,24 @@ def _stop_regex_match(seq: Sequence, fresh: int) -> str | None:
     return next((p for p in seq.params.stop_regex if compile_stop_regex(p).search_tail(text, fresh)), None)
 
 
+def _refusal(seq: Sequence, token: int) -> str:
+    """Why the grammar refused ``token``: at a dead end (no token may follow the output so far, the stop tokens
+    banned below ``min_new_tokens``) the request's constraint cannot be met, a client's error (status 400)."""
+    assert seq.grammar is not None and seq.params.grammar is not None
+    banned = seq.stop_ids if len(seq.output_ids) - 1 < seq.params.min_new_tokens else frozenset()
+    if seq.grammar.allows_a_token(banned):
+        return f"the grammar refused token {token}"
+    seq.error_status = 400
+    field, wanted = seq.params.grammar.field, seq.params.min_new_tokens
+    ban = f" other than a stop token, which min_tokens={wanted} bans here" if banned else ""
+    return f"{field}: no output satisfies it: after {tokens(len(seq.output_ids) - 1)} the grammar allows no token{ban}"
+
+
+def tokens(count: int) -> str:
+    """``count`` tokens, in words: "1 token", "3 tokens"."""
+    return f"{count} token" + ("" if count == 1 else "s")
+
+
 def append_token(seq: Sequence, token: int, info: TokenLogprob | None) -> SequenceEvent:
     """Record a sampled token, apply the stop rules, and return the consumer's event.
 
@@ -227,7 +263,7 @@ def append_token(seq: Sequence, token: int, info: TokenLogprob | None) -> Sequen
     if seq.first_token_time is None:
         seq.first_token_time = time.monotonic()
     if seq.grammar is not None and not seq.grammar.accept(token):
-        seq.finish_reason, seq.error = FinishReason.ERROR, f"the grammar refused token {token}"
+        seq.finish_reason, seq.error = FinishReason.ERROR, _refusal(seq, token)
         return SequenceEvent("", True)
     if token in seq.stop_ids:
         seq.finish_reason, seq.matched_stop = FinishReason.STOP, token

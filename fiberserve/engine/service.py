@@ -36,7 +36,7 @@ from fiberserve.engine.kvcache import PagePool
 from fiberserve.engine.runner import ModelRunner
 from fiberserve.engine.sampling_params import InvalidParameter, SamplingParams
 from fiberserve.engine.scheduler import Scheduler
-from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent, TokenLogprob
+from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent, TokenLogprob, tokens
 from fiberserve.model import kernels
 from fiberserve.model.assets import DEFAULT_MODEL_NAME, default_model_path
 from fiberserve.model.block_formats import NATIVE_BITS
@@ -97,6 +97,24 @@ def resolve_quantization(name: str, checkpoint: Checkpoint, device: str) -> str:
     attention = config.hidden_size * (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
     bf16_bytes = 2 * config.num_layers * (attention + 3 * config.hidden_size * config.intermediate_size)
     return "none" if kernels.bf16_amx() and bf16_bytes <= AMX_BF16_MAX_BYTES else "int4"
+
+
+def _check_satisfiable(seq: Sequence, params: SamplingParams) -> None:
+    """Refuse, naming the grammar's field, a constraint no output can meet from its first token: a grammar that
+    allows no first token, or only a stop token while ``min_new_tokens`` bans it, or that takes only the empty
+    output while ``min_new_tokens`` asks for more.  (A dead end further on ends the sequence: see
+    :func:`.sequence.append_token`.)"""
+    assert seq.grammar is not None and params.grammar is not None
+    field, wanted = params.grammar.field, params.min_new_tokens
+    only_empty = f"it takes only the empty output, but min_tokens asks for {tokens(wanted)}"
+    if seq.grammar.complete:
+        if wanted > 0:
+            raise InvalidParameter(field, only_empty)
+        return
+    if not seq.grammar.allows_a_token():
+        raise InvalidParameter(field, "no output satisfies it: the grammar allows no first token")
+    if wanted > 0 and not seq.grammar.allows_a_token(seq.stop_ids):
+        raise InvalidParameter(field, only_empty)
 
 
 @dataclass
@@ -378,11 +396,14 @@ class LlmService:
         if grammar is not None:
             for seq in seqs:
                 seq.grammar = GrammarState(grammar, seq.stop_ids)
+            _check_satisfiable(seqs[0], params)
         for seq in seqs[1:]:
             seq.share_prompt_scores(seqs[0])
         for seq in seqs:
             if seq.max_tokens <= 0 and not (seq.scores_prompt and len(prompt_ids) > 1):  # finished at once: "length"
                 self.scheduler.finish(seq, FinishReason.LENGTH)
+            elif seq.grammar is not None and seq.grammar.complete:  # the grammar takes only the empty output
+                self.scheduler.finish(seq, FinishReason.STOP)
             else:
                 self.scheduler.add(seq)
         self._wake.set()
@@ -395,19 +416,27 @@ class LlmService:
 
     @staticmethod
     async def events(seq: Sequence) -> AsyncIterator[SequenceEvent]:
-        """The sequence's events up to and including the finished one."""
+        """The sequence's events up to and including the finished one, for its one consumer: :class:`.EventsTaken`
+        if another reads them (a waiter, or a stream's merged queue)."""
+        seq.take_events()
         queue = seq.events
-        assert isinstance(queue, asyncio.Queue), "the sequence's events go to a merged consumer"
+        assert isinstance(queue, asyncio.Queue), "an unclaimed sequence's events are its own queue"
         while True:
             event = await queue.get()
+            if event.finished:
+                seq.events_read = True
             yield event
             if event.finished:
                 return
 
     async def wait(self, request: Request) -> RequestOutput:
-        """Wait for every sequence of ``request``; aborts it if the waiter is cancelled."""
+        """Wait for every sequence of ``request``; aborts it if the waiter is cancelled.  A request already waited
+        for to its end gives its output again; one that another consumer is still reading raises
+        :class:`.EventsTaken`."""
         try:
             for seq in request.seqs:
+                if seq.events_read:
+                    continue
                 async for _ in self.events(seq):
                     pass
         except asyncio.CancelledError:

@@ -7,6 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from fiberserve.engine import InvalidParameter, QueueFull
+from fiberserve.engine.sequence import Sequence
 
 
 class ApiError(Exception):
@@ -28,6 +29,18 @@ class ApiError(Exception):
 
 def error_body(message: str, kind: str, param: str | None = None, code: int | str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def failure_body(request_id: str, seq: Sequence) -> dict:
+    """The error event of a streamed sequence that failed: a server error, or the client's where its own
+    constraint could not be met (``seq.error_status`` 400)."""
+    kind = "invalid_request_error" if seq.error_status < 500 else "server_error"
+    return error_body(f"request {request_id} failed: {seq.error}", kind, code=seq.error_status)
+
+
+def failure(request_id: str, seq: Sequence) -> ApiError:
+    """The HTTP error of a non-streamed request whose sequence ``seq`` failed (see :func:`failure_body`)."""
+    return ApiError(seq.error_status, f"request {request_id} failed: {seq.error}")
 
 
 def error_response(err: ApiError) -> JSONResponse:

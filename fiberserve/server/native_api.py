@@ -19,7 +19,7 @@ from fiberserve.engine import Request as EngineRequest
 from fiberserve.engine.sequence import FinishReason, Sequence, TokenLogprob
 from fiberserve.engine.service import CompletionOutput, completion_of
 from fiberserve.model.tokenizer import Tokenizer
-from fiberserve.server.errors import ApiError, error_body, from_engine
+from fiberserve.server.errors import ApiError, failure_body, from_engine
 from fiberserve.server.protocol import GenerateRequest
 from fiberserve.server.state import ServerState
 
@@ -276,7 +276,7 @@ async def _stream(
         for seq, event in batch:
             req, index = index_of[seq.uid]
             if event.finished and seq.finish_reason is FinishReason.ERROR:
-                body = error_body(f"request {req.id} failed: {seq.error}", "server_error")
+                body = failure_body(req.id, seq)
                 events.append(f"data: {json.dumps(body)}\n\n")
                 continue
             if not event.delta and not event.finished:

@@ -16,7 +16,7 @@ from fiberserve.engine import InvalidParameter
 from fiberserve.engine import Request as EngineRequest
 from fiberserve.engine.sequence import FinishReason, Sequence, TokenLogprob
 from fiberserve.engine.service import CompletionOutput, RequestOutput
-from fiberserve.server.errors import ApiError, error_body, from_engine
+from fiberserve.server.errors import ApiError, failure_body, from_engine
 from fiberserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from fiberserve.server.state import ServerState
 from fiberserve.server.tools import NamedToolChoice, ToolCallRenderer, template_tools
@@ -186,7 +186,7 @@ class _Completions:
             events = []  # every event of the batch in one write
             for seq, event in batch:
                 if event.finished and seq.finish_reason is FinishReason.ERROR:
-                    body = error_body(f"request {seq.request_id} failed: {seq.error}", "server_error")
+                    body = failure_body(seq.request_id, seq)
                     events.append(f"data: {json.dumps(body)}\n\n")
                     continue
                 index = prompt_index[seq.uid] * n + seq.index

@@ -550,3 +550,35 @@ async def test_speculative_decoding_gives_the_tokens_text_logprobs_and_events_of
     monkeypatch.setattr(speculation, "DraftSwitch", functools.partial(speculation.DraftSwitch, fixed=True))
     _, _, sampled_only = await _serve_cases(engine, cases[-1:], decode_steps=1, speculative_tokens=4)
     assert sampled_only.speculation.accepted_tokens > 10  # the sampled repeating text drafted, and its drafts were kept
+
+
+async def test_a_request_has_one_consumer_of_its_events_and_a_finished_one_waits_again(engine):
+    """Waiting on a request while another task waits on it or streams it is an EventsTaken error naming the
+    request, not an assertion or a hang; a request waited for to its end gives its output again."""
+    from fiberserve.engine import EventsTaken
+
+    svc = engine.service(dtype="float32")
+    await svc.start()
+    try:
+        prompt = engine.chat_prompts(1)[0]
+        request = svc.submit(prompt, GREEDY)
+        first = asyncio.create_task(svc.wait(request))
+        await asyncio.sleep(0)  # the first waiter has claimed the events
+        with pytest.raises(EventsTaken, match=f"request {request.id} \\(sequence 0\\) already has a consumer"):
+            await svc.wait(request)
+        done = await first
+        again = await svc.wait(request)
+        assert again.outputs == done.outputs and done.outputs[0].finish_reason in ("stop", "length")
+
+        streamed = svc.submit(prompt, GREEDY)
+        sink: asyncio.Queue = asyncio.Queue()
+        streamed.seqs[0].forward_events(sink)
+        with pytest.raises(EventsTaken):
+            await svc.wait(streamed)
+        while not (await sink.get())[1].finished:
+            pass
+        await asyncio.sleep(0)
+        assert svc.is_idle() and svc.pages.used_pages == 0
+        svc.check_integrity()
+    finally:
+        await svc.close()

@@ -457,6 +457,36 @@ def test_constrained_decoding_json_schema_choice_and_regex(server):
         ab = {"max_new_tokens": 8, "regex": "ab", "ignore_eos": True}
         out = c.post("/generate", json={"text": "x", "sampling_params": ab}).json()
         assert out["text"] == "ab" and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": None}
+        # A grammar of the empty output alone, with no stop token to take: that output, at once.
+        empty = {"max_new_tokens": 8, "regex": "", "ignore_eos": True}
+        out = c.post("/generate", json={"input_ids": [0], "sampling_params": empty}).json()
+        assert out["text"] == "" and out["meta_info"]["finish_reason"]["type"] == "stop"
+    server.assert_idle()
+
+
+def test_a_constraint_no_output_meets_is_a_400_naming_its_field(server):
+    """Found before the request is queued where it can be (the empty output only, but min_tokens), else where the
+    output reaches the dead end: a 400 naming the field, or in a stream an invalid_request_error event."""
+    with server.client() as c:
+        only_empty = {"max_new_tokens": 8, "regex": "", "min_new_tokens": 1}
+        r = c.post("/generate", json={"input_ids": [[0]], "sampling_params": only_empty})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "regex"
+        assert "takes only the empty output, but min_tokens asks for 1 token" in r.json()["error"]["message"]
+        body = {
+            "model": "SmolLM2-135M-Instruct",
+            "prompt": "x",
+            "max_tokens": 8,
+            "min_tokens": 3,
+            "guided_choice": ["a"],
+        }
+        r = c.post("/v1/completions", json=body)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["type"] == "invalid_request_error", r.text
+        assert "guided_choice: no output satisfies it: after 1 token the grammar allows no token" in error["message"]
+        events = [line for line in c.post("/v1/completions", json={**body, "stream": True}).text.splitlines() if line]
+        failed = json.loads(events[-2].removeprefix("data: "))  # the last event before [DONE]
+        assert failed["error"]["type"] == "invalid_request_error" and failed["error"]["code"] == 400
+        assert events[-1] == "data: [DONE]"
     server.assert_idle()
 
 
