@@ -254,6 +254,22 @@ inline void scale_group(const QuantizedRows& x, int64_t row0, int64_t b, int64_t
   }
 }
 
+// Bytes of one block of 32 inputs of a 4-bit column block.
+constexpr int64_t kBlockBytes4 = kGroup * kBlock / 2;
+// How far ahead of its reads a one-row 4-bit tile prefetches its weights: it has little arithmetic per byte, so the
+// loads it has in flight alone leave memory idle between them (docs/performance.md has the figures; the 8-bit tile,
+// with twice the bytes per block in flight, gains nothing measurable from it).
+constexpr int64_t kOneRowAhead = 2048;
+
+// Prefetch the cache lines kOneRowAhead bytes past `offset` into each 4-bit column block's weights, for one block
+// of inputs (past a column block's end, the lines are the next one's: its thread's next group).
+template <int NR, typename F>
+inline void prefetch_ahead(const ColumnBlocks<F>& cols, int64_t offset) {
+  for (int c = 0; c < NR; ++c)
+    for (int64_t line = 0; line < kBlockBytes4; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(cols.w + c * cols.w_stride + offset + line + kOneRowAhead), _MM_HINT_T0);
+}
+
 // MR rows x NR column blocks of weights in format F.
 // kGated (NR = 2): block 0 holds gate outputs and block 1 the matching up outputs (see GateUp in linear.py); the
 // tile writes silu(gate) * up, one block, each input rounded to out_t first as a separate product and silu_mul
@@ -274,6 +290,7 @@ template <int MR, int NR, typename F, bool kGated, typename out_t>
       for (int k = 0; k < kChains; ++k)
         for (int r = 0; r < MR; ++r)
           for (int c = 0; c < NR; ++c) sums[k][r][c] = _mm512_setzero_si512();
+      if constexpr (MR == 1) prefetch_ahead<NR, F>(cols, b * kBlockBytes4);
       for (int j = 0; j < 4; ++j) {
         __m512i lo[NR], hi[NR];
         for (int c = 0; c < NR; ++c) {
