@@ -36,7 +36,8 @@ HELP = {
     ),
     "isolation": "program isolation: per_fiber (one instance per fiber), per_call, or none",
     "page_size": "tokens per KV cache page",
-    "kv_cache_mb": "KV cache size in MiB",
+    "kv_cache_mb": "KV cache size in MiB (default: one sequence of the whole context, at least 256 MiB, at most a "
+    "quarter of the memory available at start)",
     "kv_pages": "KV cache size in pages (overrides --kv-cache-mb)",
     "max_model_len": "longest context (prompt + output) a request may use (default: the model's context length)",
     "max_running": "most sequences running at once",

@@ -39,7 +39,9 @@ class EngineConfig:
     fit_free_cores: bool = True
     isolation: str = "per_fiber"
     page_size: int = 16
-    kv_cache_mb: float = 256.0
+    #: The KV cache in MiB; None: sized for the model (``service.kv_cache_pages``: one sequence of the whole
+    #: context, at least 256 MiB, at most a quarter of the memory available at start).
+    kv_cache_mb: float | None = None
     #: Overrides kv_cache_mb when set.
     kv_pages: int | None = None
     #: The longest context a request may use, prompt and output together (vLLM's --max-model-len); None: the

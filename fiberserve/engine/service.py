@@ -99,6 +99,41 @@ def resolve_quantization(name: str, checkpoint: Checkpoint, device: str) -> str:
     return "none" if kernels.bf16_amx() and bf16_bytes <= AMX_BF16_MAX_BYTES else "int4"
 
 
+#: What ``--kv-cache-mb`` unset gives at least (MiB), and the share of the memory available at start it takes at
+#: most.
+KV_CACHE_MIN_MB, KV_MEMORY_SHARE = 256, 0.25
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations (Linux's MemAvailable), or None where it is not known."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def kv_cache_pages(config: EngineConfig, page_bytes: int, max_context: int, available: int | None) -> tuple[int, str]:
+    """The KV cache's pages and what bounds them: ``--kv-pages`` or ``--kv-cache-mb`` where given; else one sequence
+    of ``max_context`` tokens, at least :data:`KV_CACHE_MIN_MB` and at most :data:`KV_MEMORY_SHARE` of the
+    ``available`` memory (vLLM's ``VLLM_CPU_KVCACHE_SPACE`` and llama.cpp's ``-c`` are set by hand instead)."""
+    if config.kv_pages:
+        return config.kv_pages, "--kv-pages"
+    if config.kv_cache_mb is not None:
+        return max(2, int(config.kv_cache_mb * 2**20) // page_bytes), "--kv-cache-mb"
+    context_pages = -(-max_context // config.page_size)
+    least = KV_CACHE_MIN_MB * 2**20 // page_bytes
+    if context_pages <= least:
+        return max(2, least), f"its least size, {KV_CACHE_MIN_MB} MiB (the context needs less)"
+    most = int(KV_MEMORY_SHARE * available) // page_bytes if available is not None else context_pages
+    if context_pages <= most:
+        return context_pages, "the model's context (one sequence of it)"
+    share = f"{KV_MEMORY_SHARE:.0%} of the memory available at start ({(available or 0) / 2**30:.1f} GiB)"
+    return max(2, least, most), share
+
+
 def _check_satisfiable(seq: Sequence, params: SamplingParams) -> None:
     """Refuse, naming the grammar's field, a constraint no output can meet from its first token: a grammar that
     allows no first token, or only a stop token while ``min_new_tokens`` bans it, or that takes only the empty
@@ -210,7 +245,15 @@ class LlmService:
                 )
             self.max_context = config.max_model_len
         page_bytes = KVCache.bytes_per_page(model.config, config.page_size, model.dtype)
-        num_pages = config.kv_pages or max(2, int(config.kv_cache_mb * 2**20) // page_bytes)
+        num_pages, bound = kv_cache_pages(config, page_bytes, self.max_context, available_memory())
+        log.info(
+            "KV cache: %d tokens (%d pages, %.0f MiB), bounded by %s; the context is %d tokens",
+            num_pages * config.page_size,
+            num_pages,
+            num_pages * page_bytes / 2**20,
+            bound,
+            self.max_context,
+        )
         self.kv_cache = KVCache(model.config, num_pages, config.page_size, model.dtype, model.device)
         self.pages = PagePool(num_pages, config.page_size, config.prefix_caching)
         self.scheduler = Scheduler(
@@ -365,8 +408,9 @@ class LlmService:
         if self.pages.pages_for(total) > self.pages.num_pages:
             raise InvalidParameter(
                 "max_new_tokens",
-                f"prompt plus max_new_tokens needs {self.pages.pages_for(total)} KV pages; "
-                f"the cache has {self.pages.num_pages}",
+                f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) needs "
+                f"{self.pages.pages_for(total)} KV pages; the KV cache holds {self.pages.num_pages} "
+                f"({self.pages.num_pages * self.pages.page_size} tokens: raise --kv-cache-mb)",
             )
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:

@@ -48,6 +48,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
@@ -113,19 +114,36 @@ class ForwardBatch:
 
 
 class KVCache:
-    """Keys and values of every layer, ``[layer, slot, kv_head, head_dim]``; slot = page * page_size + offset."""
+    """Keys and values of every layer, ``[layer, slot, kv_head, head_dim]``; slot = page * page_size + offset.
+
+    Zero-filled; on CPU the zeros are the operating system's (calloc'd memory, mapped fresh), so a cache sized for
+    a model's whole context takes memory only as its pages are first written."""
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype, device) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
         shape = (config.num_layers, num_pages * page_size, config.num_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = _zeros(shape, dtype, device), _zeros(shape, dtype, device)
 
     @staticmethod
     def bytes_per_page(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * element
+
+
+#: Bytes of a cache line: where the KV cache's rows start.
+CACHE_LINE = 64
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.zeros``, on CPU from numpy's calloc (the OS maps zero pages in as they are touched, where
+    ``torch.zeros`` writes every byte at once)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(nbytes + CACHE_LINE, dtype=np.uint8)
+    start = -raw.ctypes.data % CACHE_LINE  # aligned as torch aligns its own
+    return torch.from_numpy(raw[start : start + nbytes]).view(dtype).view(shape)
 
 
 def _page_table(span: SequenceSpan, page_size: int, padded: int) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +87,53 @@ def test_random_operations_keep_the_invariant():
         pool.release(pages)
     pool.check_integrity()
     assert pool.used_pages == 0
+
+
+def test_the_kv_cache_is_sized_for_the_model_within_a_share_of_memory():
+    from fiberserve.config import EngineConfig
+    from fiberserve.engine.service import KV_CACHE_MIN_MB, kv_cache_pages
+
+    MiB, GiB = 2**20, 2**30
+    page = 16 * 32 * 1024  # 16 tokens of a Llama-3.2-1B shape in bf16: 32 KiB a token
+    auto = EngineConfig()
+    assert auto.kv_cache_mb is None and auto.kv_pages is None
+    # the embedded model's context fits the least size: that size, as before
+    small = 16 * 23 * 1024
+    pages, bound = kv_cache_pages(auto, small, 8192, 20 * GiB)
+    assert pages == KV_CACHE_MIN_MB * MiB // small and "its least size" in bound
+    # a 131072-token context: one sequence of it (4 GiB) where a quarter of the memory holds it
+    pages, bound = kv_cache_pages(auto, page, 131072, 20 * GiB)
+    assert pages * 16 == 131072 and bound == "the model's context (one sequence of it)"
+    # else a quarter of the memory: 8 GiB available -> 2 GiB -> 65536 tokens
+    pages, bound = kv_cache_pages(auto, page, 131072, 8 * GiB)
+    assert pages * 16 == 65536 and bound == "25% of the memory available at start (8.0 GiB)"
+    # never below the least size, even on a machine with little memory left
+    assert kv_cache_pages(auto, page, 131072, 256 * MiB)[0] == KV_CACHE_MIN_MB * MiB // page
+    # given sizes win
+    assert kv_cache_pages(EngineConfig(kv_cache_mb=64), page, 131072, 20 * GiB) == (128, "--kv-cache-mb")
+    assert kv_cache_pages(EngineConfig(kv_pages=7, kv_cache_mb=64), page, 131072, 20 * GiB) == (7, "--kv-pages")
+
+
+def test_a_kv_cache_takes_memory_only_as_its_pages_are_written():
+    """Sized for a whole context by default, the cache must not be resident before it is used: zeros from the
+    operating system, aligned to cache lines."""
+    import torch
+
+    from fiberserve.model.config import ModelConfig
+    from fiberserve.model.llama import CACHE_LINE, KVCache
+
+    def rss() -> int:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS:"))
+        return int(line.split()[1]) * 1024
+
+    config = ModelConfig(
+        architecture="llama", vocab_size=256, hidden_size=512, intermediate_size=1024,
+        num_layers=16, num_heads=8, num_kv_heads=8, head_dim=64,
+    )  # fmt: skip
+    before = rss()
+    cache = KVCache(config, 4096, 16, torch.bfloat16, "cpu")  # 2 x 16 x 65536 x 8 x 64 x 2 bytes: 2 GiB
+    assert rss() - before < 64 * 2**20
+    assert cache.k.data_ptr() % CACHE_LINE == 0 and cache.v.data_ptr() % CACHE_LINE == 0
+    assert cache.k.shape == (16, 65536, 8, 64) and cache.k.dtype == torch.bfloat16
+    cache.v[3, 1000:1016] = 1.5
+    assert float(cache.k[15, -1].abs().sum()) == 0.0 and float(cache.v[3, 1000:1016].sum()) == 1.5 * 16 * 8 * 64
