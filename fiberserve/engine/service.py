@@ -254,7 +254,8 @@ class LlmService:
             bound,
             self.max_context,
         )
-        self.kv_cache = KVCache(model.config, num_pages, config.page_size, model.dtype, model.device)
+        resident = KV_CACHE_MIN_MB * 2**20 // page_bytes  # the rest of a larger cache when first written
+        self.kv_cache = KVCache(model.config, num_pages, config.page_size, model.dtype, model.device, resident)
         self.pages = PagePool(num_pages, config.page_size, config.prefix_caching)
         self.scheduler = Scheduler(
             self.pages, config.max_running, config.max_batch_tokens, config.decode_steps, config.speculative_tokens

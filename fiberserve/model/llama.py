@@ -117,13 +117,20 @@ class KVCache:
     """Keys and values of every layer, ``[layer, slot, kv_head, head_dim]``; slot = page * page_size + offset.
 
     Zero-filled; on CPU the zeros are the operating system's (calloc'd memory, mapped fresh), so a cache sized for
-    a model's whole context takes memory only as its pages are first written."""
+    a model's whole context takes memory only as its pages are first written, but for the first ``resident_pages``
+    (default: all), written at once: the pages the pool hands out first (``PagePool`` takes the lowest free page),
+    whose first writes would otherwise slow the first requests and the pass times the scheduler learns from."""
 
-    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype, device) -> None:
+    def __init__(
+        self, config: ModelConfig, num_pages: int, page_size: int, dtype, device, resident_pages: int | None = None
+    ) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
         shape = (config.num_layers, num_pages * page_size, config.num_kv_heads, config.head_dim)
         self.k, self.v = _zeros(shape, dtype, device), _zeros(shape, dtype, device)
+        resident = num_pages if resident_pages is None else min(resident_pages, num_pages)
+        for cache in (self.k, self.v):
+            cache[:, : resident * page_size].zero_()
 
     @staticmethod
     def bytes_per_page(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
