@@ -36,8 +36,7 @@ class FileRows:
 
     def table_rows(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The table and each of ``index``'s rows' places in it (int64, ``index``'s shape): ``table[places]`` is
-        ``self[index]``.  The table is valid until the next lookup.  (The bookkeeping is numpy's: a lookup of a
-        few rows costs a few microseconds.)"""
+        ``self[index]``.  The table is valid until the next lookup."""
         with self._lock, torch.inference_mode():  # the table may have been made in inference mode
             distinct, where = np.unique(index.numpy().reshape(-1), return_inverse=True)
             return self._table, torch.from_numpy(self._places(distinct)[where].reshape(index.shape))

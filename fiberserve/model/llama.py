@@ -371,8 +371,10 @@ class LlamaModel:
         """``quantization="int4"``: every matrix a GGUF file stores in a format served as is (``NATIVE_BITS``) in
         the file's own blocks; the others in Q4_1 blocks, the output head in Q8_0 (4-bit where the CPU has neither
         AVX512-VNNI nor AVX2); computed as llama.cpp does (see
-        :class:`.QuantLinear`; CPU only); embeddings and norms stay in ``dtype``, and the top candidates the head
-        picks are re-scored exactly by :meth:`_refine_top` from the ``dtype`` weights."""
+        :class:`.QuantLinear`; CPU only); norms stay in ``dtype``, the embedding's and the head's rows are read in
+        ``dtype`` from the file's blocks as lookups ask for them (:class:`.FileRows`; whole in ``dtype`` where the
+        file stores them otherwise), and the top candidates the head picks are re-scored exactly by
+        :meth:`_refine_top` from those ``dtype`` rows."""
         if quantization != "none" and torch.device(device).type != "cpu":
             raise ValueError(f"quantization {quantization!r} runs on CPU only")
         config = checkpoint.config
