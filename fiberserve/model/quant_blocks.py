@@ -177,8 +177,13 @@ class QuantBlocks:
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
-    """llama.cpp's 16 bytes of a 4-bit block as its 32 values: low nibbles are elements 0..15, high 16..31."""
-    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+    """llama.cpp's 16 bytes of a 4-bit block as its 32 values: low nibbles are elements 0..15, high 16..31, written
+    straight into one array."""
+    half = packed.shape[-1]
+    values = np.empty((*packed.shape[:-1], 2 * half), dtype=np.uint8)
+    np.bitwise_and(packed, 0x0F, out=values[..., :half])
+    np.right_shift(packed, 4, out=values[..., half:])
+    return values
 
 
 def _halves(blocks: np.ndarray, offset: int) -> np.ndarray:
