@@ -45,6 +45,7 @@ duplication.
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -116,7 +117,7 @@ class ForwardBatch:
 class KVCache:
     """Keys and values of every layer, ``[layer, slot, kv_head, head_dim]``; slot = page * page_size + offset.
 
-    Zero-filled; on CPU the zeros are the operating system's (calloc'd memory, mapped fresh), so a cache sized for
+    Zero-filled; on CPU the zeros are the operating system's (a fresh anonymous mapping), so a cache sized for
     a model's whole context takes memory only as its pages are first written, but for the first ``resident_pages``
     (default: all), written at once: the pages the pool hands out first (``PagePool`` takes the lowest free page),
     whose first writes would otherwise slow the first requests and the pass times the scheduler learns from."""
@@ -138,19 +139,14 @@ class KVCache:
         return 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * element
 
 
-#: Bytes of a cache line: where the KV cache's rows start.
-CACHE_LINE = 64
-
-
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """``torch.zeros``, on CPU from numpy's calloc (the OS maps zero pages in as they are touched, where
-    ``torch.zeros`` writes every byte at once)."""
+    """``torch.zeros``, on CPU in an anonymous mapping of its own (page-aligned; the OS maps its zero pages in as
+    they are first touched, where ``torch.zeros`` writes every byte at once and malloc may hand back used heap)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(nbytes + CACHE_LINE, dtype=np.uint8)
-    start = -raw.ctypes.data % CACHE_LINE  # aligned as torch aligns its own
-    return torch.from_numpy(raw[start : start + nbytes]).view(dtype).view(shape)
+    pages = np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8)[:nbytes]  # the array keeps the mapping
+    return torch.from_numpy(pages).view(dtype).view(shape)
 
 
 def _page_table(span: SequenceSpan, page_size: int, padded: int) -> torch.Tensor:

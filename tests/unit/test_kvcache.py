@@ -116,11 +116,11 @@ def test_the_kv_cache_is_sized_for_the_model_within_a_share_of_memory():
 
 def test_a_kv_cache_takes_memory_only_as_its_pages_are_written():
     """Sized for a whole context by default, the cache must not be resident before it is used, but for the pages
-    handed out first: zeros from the operating system, aligned to cache lines."""
+    handed out first: zeros from the operating system, page-aligned."""
     import torch
 
     from fiberserve.model.config import ModelConfig
-    from fiberserve.model.llama import CACHE_LINE, KVCache
+    from fiberserve.model.llama import KVCache
 
     def rss() -> int:
         line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS:"))
@@ -133,7 +133,7 @@ def test_a_kv_cache_takes_memory_only_as_its_pages_are_written():
     before = rss()
     cache = KVCache(config, 4096, 16, torch.bfloat16, "cpu", resident_pages=64)  # 2 GiB; 32 MiB written at once
     assert 32 * 2**20 <= rss() - before < 96 * 2**20
-    assert cache.k.data_ptr() % CACHE_LINE == 0 and cache.v.data_ptr() % CACHE_LINE == 0
+    assert cache.k.data_ptr() % 4096 == 0 and cache.v.data_ptr() % 4096 == 0  # page-aligned
     assert cache.k.shape == (16, 65536, 8, 64) and cache.k.dtype == torch.bfloat16
     cache.v[3, 1000:1016] = 1.5
     assert float(cache.k[15, -1].abs().sum()) == 0.0 and float(cache.v[3, 1000:1016].sum()) == 1.5 * 16 * 8 * 64
