@@ -133,9 +133,7 @@ class TokenFlops:
 
 
 def linear_flops(config: ModelConfig) -> TokenFlops:
-    h, heads, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    per_layer = h * (heads + 2 * kv) + heads * h + 3 * h * config.intermediate_size
-    return TokenFlops(decoder=2.0 * config.num_layers * per_layer, head=2.0 * h * config.vocab_size)
+    return TokenFlops(decoder=2.0 * config.decoder_weights, head=2.0 * config.hidden_size * config.vocab_size)
 
 
 def weight_bytes_per_token(model: str | Path, config: ModelConfig) -> float:

@@ -93,9 +93,7 @@ def resolve_quantization(name: str, checkpoint: Checkpoint, device: str) -> str:
     if device != "cpu" or not checkpoint.decoder_weight_types or not checkpoint.decoder_weight_types <= AUTO_INT4_TYPES:
         return "none"
     kernels.load()
-    config = checkpoint.config
-    attention = config.hidden_size * (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-    bf16_bytes = 2 * config.num_layers * (attention + 3 * config.hidden_size * config.intermediate_size)
+    bf16_bytes = 2 * checkpoint.config.decoder_weights
     return "none" if kernels.bf16_amx() and bf16_bytes <= AMX_BF16_MAX_BYTES else "int4"
 
 
@@ -468,8 +466,7 @@ class LlmService:
         assert isinstance(queue, asyncio.Queue), "an unclaimed sequence's events are its own queue"
         while True:
             event = await queue.get()
-            if event.finished:
-                seq.events_read = True
+            seq.events_read = event.finished
             yield event
             if event.finished:
                 return

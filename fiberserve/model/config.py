@@ -100,6 +100,12 @@ class ModelConfig:
             )
 
     @property
+    def decoder_weights(self) -> int:
+        """The weights of every decoder layer's linear layers (q, k, v, o, gate, up, down), norms aside."""
+        h, heads, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return self.num_layers * (h * (heads + 2 * kv) + heads * h + 3 * h * self.intermediate_size)
+
+    @property
     def max_context(self) -> int:
         """The longest sequence (prompt plus output) served.
 

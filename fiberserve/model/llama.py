@@ -627,7 +627,7 @@ class LlamaModel:
             if isinstance(self.lm_head, torch.Tensor):
                 kernels.refine_top_logits(logits, h, self.lm_head, k)
             else:  # the candidates' rows, read from the file
-                table, places = self.lm_head.table_rows(kernels.top_k_rows(logits, k)[1].clamp(min=0))
+                table, places = self._head_rows(kernels.top_k_rows(logits, k)[1])
                 kernels.refine_top_logits(logits, h, table, k, places)
             return
         top = logits.topk(k, dim=-1).indices  # [R, k]

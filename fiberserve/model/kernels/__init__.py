@@ -340,9 +340,9 @@ def refine_top_logits(
     """Re-score the ``k`` (<= 64) largest logits of each row in place: ``logits`` float32 [R, V] (contiguous,
     CPU), ``hidden`` float32 [R, W], ``weight`` [V, W] float32 or bf16; or, with ``weight_rows`` int64 [R, k], any
     such matrix whose row ``weight_rows[r, j]`` is row r's j-th candidate's (:func:`top_k_rows`' order).  Each
-    candidate's logit becomes the dot product of its weight row and the
-    row's hidden state, accumulated in float64 and rounded once to float32 (in a fixed order: the same bits for a
-    row alone or in any batch).  The candidates are :func:`top_k_rows`'s."""
+    candidate's logit becomes the dot product of its weight row and the row's hidden state, accumulated in float64
+    and rounded once to float32 (in a fixed order: the same bits for a row alone or in any batch).  The candidates
+    are :func:`top_k_rows`'s."""
     torch.ops.fiberserve.refine_top_logits(logits, hidden, weight, k, weight_rows)
 
 
