@@ -19,8 +19,6 @@ paths.  Where each path's time goes: ``docs/performance.md``.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 
@@ -236,11 +234,9 @@ def _stack_gate_up(
     if isinstance(gate, QuantBlocks) and isinstance(up, QuantBlocks):
         if chunk is None:
             return QuantBlocks.cat([gate, up])
-        gate, up = QuantBlocks.alike([gate, up])
-        q, scale, low = (
-            kernels.interleave_gate_up(getattr(gate, part), getattr(up, part), chunk) for part in ("q", "scale", "min")
+        return QuantBlocks.combine(
+            QuantBlocks.alike([gate, up]), lambda parts: kernels.interleave_gate_up(parts[0], parts[1], chunk)
         )
-        return dataclasses.replace(gate, q=q, scale=scale, min=low)
     gate, up = (x.dequantize() if isinstance(x, QuantBlocks) else x for x in (gate, up))
     return kernels.interleave_gate_up(gate, up, chunk) if chunk is not None else torch.cat([gate, up])
 

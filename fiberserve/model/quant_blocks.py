@@ -11,14 +11,17 @@ Kinds of block, by the bits of ``q``:
   (``w = d * scale8 * (q - 32)`` per 16 inputs, q stored as q + 96).
 
 Scales and mins hold the file's values exactly: float16 values, or float32 where the format multiplies a float16
-by a small integer (Q4_K, Q5_K, Q6_K).  A file in one of these formats is served in its own blocks
-(:meth:`QuantBlocks.from_gguf`) and its weights are exactly what llama.cpp reads; any other matrix is quantized to
-Q4_1 or Q8_0 blocks from its values (:meth:`QuantBlocks.quantize`).
+by a small integer (Q4_K, Q5_K, Q6_K).  The K formats also keep those factors as the file has them
+(:class:`SuperScales`: a float16 per super-block of 256 inputs, an integer step per scale group), the form their
+products read: 4.6 bits a weight for Q4_K rather than 6 with float32 scales and mins.  A file in one of these
+formats is served in its own blocks (:meth:`QuantBlocks.from_gguf`) and its weights are exactly what llama.cpp
+reads; any other matrix is quantized to Q4_1 or Q8_0 blocks from its values (:meth:`QuantBlocks.quantize`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -27,6 +30,25 @@ from fiberserve.model.block_formats import IQ4_NL_VALUES, NATIVE_BITS
 
 #: Input features per block (llama.cpp's block size).
 QUANT_GROUP = 32
+#: Rows a GGUF tensor is unpacked in at once (:meth:`QuantBlocks.from_gguf`).
+ROWS_AT_ONCE = 4096
+
+
+@dataclass
+class SuperScales:
+    """A K format's scales and mins as the file keeps them: per row and super-block a float16 ``d`` (and ``dmin``),
+    per scale group an integer step; ``scale = d * step`` and ``min = dmin * min_step`` exactly in float32 (a
+    float16 times an integer below 2^8).  Min steps are stored negated (``min = -dmin * m`` in llama.cpp), so both
+    products are plain; Q6_K has no mins."""
+
+    d: torch.Tensor  #: float16 [N, K / 256]
+    steps: torch.Tensor  #: int8 [N, K / group]
+    dmin: torch.Tensor | None = None  #: float16 [N, K / 256]
+    min_steps: torch.Tensor | None = None  #: int8 [N, K / 32], negated
+
+
+#: A function of each field's tensors across parts, giving the combined field (see :meth:`QuantBlocks.combine`).
+RowsFn = Callable[[list[torch.Tensor]], torch.Tensor]
 
 
 @dataclass
@@ -42,6 +64,7 @@ class QuantBlocks:
     zero: int | None = None
     group: int = QUANT_GROUP  #: inputs per scale: 32, or 16 (Q6_K)
     float32_scales: bool = False  #: whether scales and mins need float32 (else their values are float16)
+    supers: SuperScales | None = None  #: a K format's own factors of ``scale`` and ``min``
 
     @property
     def shape(self) -> torch.Size:
@@ -74,11 +97,26 @@ class QuantBlocks:
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, type_name: str) -> QuantBlocks:
-        """The blocks of a GGUF tensor of a :data:`NATIVE_BITS` format; ``raw`` uint8 [N, bytes per row]."""
-        import gguf
-
+        """The blocks of a GGUF tensor of a :data:`NATIVE_BITS` format; ``raw`` uint8 [N, bytes per row].  Read
+        :data:`ROWS_AT_ONCE` rows at a time into the whole, so the unpacking's temporaries stay small."""
         if type_name not in NATIVE_BITS:
             raise ValueError(f"{type_name} is not served in its own blocks")
+        n = raw.shape[0]
+        first = cls._from_gguf_rows(raw[:ROWS_AT_ONCE], type_name)
+        if n <= ROWS_AT_ONCE:
+            return first
+        whole = first.with_tensors({name: t.new_empty((n, *t.shape[1:])) for name, t in first.tensors().items()})
+        into = whole.tensors()
+        for start in range(0, n, ROWS_AT_ONCE):
+            part = first if start == 0 else cls._from_gguf_rows(raw[start : start + ROWS_AT_ONCE], type_name)
+            for name, t in part.tensors().items():
+                into[name][start : start + len(t)] = t
+        return whole
+
+    @classmethod
+    def _from_gguf_rows(cls, raw: np.ndarray, type_name: str) -> QuantBlocks:
+        import gguf
+
         n = raw.shape[0]
         _, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
         blocks = np.ascontiguousarray(raw).reshape(n, -1, block_bytes)
@@ -112,7 +150,7 @@ class QuantBlocks:
     ) -> QuantBlocks:
         n = q.shape[0]
         return cls(
-            torch.from_numpy(q.astype(np.uint8).reshape(n, -1)),
+            torch.from_numpy(q.astype(np.uint8, copy=False).reshape(n, -1)),
             torch.from_numpy(np.ascontiguousarray(d.reshape(n, -1).astype(np.float32))),
             torch.from_numpy(np.ascontiguousarray(m.reshape(n, -1).astype(np.float32))),
             bits,
@@ -130,27 +168,53 @@ class QuantBlocks:
             w = self.scale[..., None] * q + self.min[..., None]
         return w.view(self.q.shape)
 
-    def map_rows(self, fn) -> QuantBlocks:
-        """The blocks with ``fn`` applied to the rows of ``q``, ``scale`` and ``min`` alike (a permutation, a
-        slice): a row's blocks stay whole."""
-        return replace(self, q=fn(self.q), scale=fn(self.scale), min=fn(self.min))
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantBlocks:
+        """The blocks with ``fn`` applied to the rows of every tensor alike (a permutation, a slice, a move): a
+        row's blocks stay whole."""
+        return QuantBlocks.combine([self], lambda tensors: fn(tensors[0]))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor with a row per output feature, by name (``q``, ``scale``, ``min``, ``supers.d``, ...)."""
+        named = {"q": self.q, "scale": self.scale, "min": self.min}
+        if self.supers is not None:
+            for f in fields(SuperScales):
+                if getattr(self.supers, f.name) is not None:
+                    named[f"supers.{f.name}"] = getattr(self.supers, f.name)
+        return named
+
+    def with_tensors(self, named: dict[str, torch.Tensor]) -> QuantBlocks:
+        """These blocks' format with the tensors ``named`` as :meth:`tensors` names them."""
+        supers = None
+        if self.supers is not None:
+            supers = SuperScales(
+                named["supers.d"], named["supers.steps"], named.get("supers.dmin"), named.get("supers.min_steps")
+            )
+        return replace(self, q=named["q"], scale=named["scale"], min=named["min"], supers=supers)
+
+    @staticmethod
+    def combine(parts: list[QuantBlocks], fn: RowsFn) -> QuantBlocks:
+        """Blocks of ``parts``' format (:meth:`same_format`) whose every row tensor (:meth:`tensors`) is ``fn`` of
+        the parts' tensors of that name: a concatenation, an interleaving."""
+        named = [p.tensors() for p in parts]
+        return parts[0].with_tensors({name: fn([n[name] for n in named]) for name in named[0]})
 
     def same_format(self, other: QuantBlocks) -> bool:
-        return (self.bits, self.zero, self.group, self.float32_scales) == (
-            other.bits,
-            other.zero,
-            other.group,
-            other.float32_scales,
-        )
+        return self._format() == other._format()
+
+    def _format(self) -> tuple:
+        supers = None if self.supers is None else self.supers.min_steps is None
+        return self.bits, self.zero, self.group, self.float32_scales, supers
 
     @staticmethod
     def alike(parts: list[QuantBlocks]) -> list[QuantBlocks]:
         """``parts`` in one format, each holding the same weights: as they are where they share one; 4-bit blocks
         with their scales and mins in float32 where any needs it; else as bytes with float32 scales and mins per
-        the smallest group (any block converts to that exactly)."""
+        the smallest group (any block converts to that exactly).  Super-block factors stay only where all the
+        parts share a format."""
         first = parts[0]
         if all(p.same_format(first) for p in parts):
             return parts
+        parts = [replace(p, supers=None) for p in parts]
         if all(p.bits == 4 for p in parts):
             wide = any(p.float32_scales for p in parts)
             return [replace(p, zero=None, float32_scales=wide) for p in parts]
@@ -167,13 +231,7 @@ class QuantBlocks:
     @staticmethod
     def cat(parts: list[QuantBlocks]) -> QuantBlocks:
         """The rows of ``parts`` one after another, in one format (see :meth:`alike`)."""
-        parts = QuantBlocks.alike(parts)
-        return replace(
-            parts[0],
-            q=torch.cat([p.q for p in parts]),
-            scale=torch.cat([p.scale for p in parts]),
-            min=torch.cat([p.min for p in parts]),
-        )
+        return QuantBlocks.combine(QuantBlocks.alike(parts), torch.cat)
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
@@ -206,19 +264,32 @@ def _k_blocks(blocks: np.ndarray, type_name: str) -> QuantBlocks:
         low = (low_bytes & 0x0F).reshape(n, supers, 8, 32)  # each 128 inputs: ql[0:64] low nibbles, then high
         shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
         high = ((blocks[..., 128:192].reshape(n, supers, 2, 1, 32) >> shifts) & 0x03).reshape(n, supers, 8, 32)
-        q = (low | (high << 4)).astype(np.int16) + 96  # d * s * (q - 32) == d * s * ((q + 96) - 128)
-        d = _halves(blocks, 208)[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)
-        return QuantBlocks._of(q, d, -128 * d, 8, 128, group=16, float32_scales=True)
+        q = (low | (high << 4)) + np.uint8(96)  # d * s * (q - 32) == d * s * ((q + 96) - 128)
+        steps = blocks[..., 192:208].view(np.int8)
+        d = _halves(blocks, 208)[..., None] * steps.astype(np.float32)
+        own = SuperScales(_float16s(blocks, 208), torch.from_numpy(steps.reshape(n, -1).copy()))
+        return replace(QuantBlocks._of(q, d, -128 * d, 8, 128, group=16, float32_scales=True), supers=own)
     d, dmin = _halves(blocks, 0)[..., None], _halves(blocks, 2)[..., None]
     packed = blocks[..., 4:16].reshape(n, supers, 3, 4)  # the 6-bit scales and mins of 8 blocks
     first, second, rest = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
     scales = np.concatenate([first & 0x3F, (rest & 0x0F) | ((first >> 2) & 0x30)], -1)
     mins = np.concatenate([second & 0x3F, (rest >> 4) | ((second >> 2) & 0x30)], -1)
     quants = blocks[..., -128:].reshape(n, supers, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8)[:, None]
-    q = (quants & 0x0F).reshape(n, supers, 8, 32).astype(np.int16)  # each 32 bytes: two blocks' nibbles
+    q = (quants & 0x0F).reshape(n, supers, 8, 32)  # each 32 bytes: two blocks' nibbles
     if type_name == "Q5_K":  # qh[32]: bit j of byte l is the fifth bit of element l of block j
         fifth = (blocks[..., 16:48].reshape(n, supers, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1
-        q |= fifth.astype(np.int16) << 4
+        q |= fifth << 4
     bits = 4 if type_name == "Q4_K" else 8
+    own = SuperScales(
+        _float16s(blocks, 0),
+        torch.from_numpy(scales.astype(np.int8).reshape(n, -1)),
+        _float16s(blocks, 2),
+        torch.from_numpy((-mins.astype(np.int8)).reshape(n, -1)),
+    )
     d, m = d * scales.astype(np.float32), -(dmin * mins.astype(np.float32))
-    return QuantBlocks._of(q, d, m, bits, None, float32_scales=True)
+    return replace(QuantBlocks._of(q, d, m, bits, None, float32_scales=True), supers=own)
+
+
+def _float16s(blocks: np.ndarray, offset: int) -> torch.Tensor:
+    """The float16 at byte ``offset`` of every block, float16 [N, blocks]."""
+    return torch.from_numpy(blocks[..., offset : offset + 2].copy().view(np.float16)[..., 0])

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fiberserve.model import kernels
-from fiberserve.model.quant_blocks import QuantBlocks
+from fiberserve.model.quant_blocks import QuantBlocks, SuperScales
 
 #: The instruction sets the kernels were built for and this CPU runs (``FIBERSERVE_KERNEL_ARCH`` may narrow them).
 ISA = kernels.target_isa() & set(Path("/proc/cpuinfo").read_text().split())
@@ -314,21 +314,33 @@ def quantized_rows(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inverse) * step).double().view_as(x)
 
 
-#: The kernel's weight formats (see kernels.quant_pack): bits, zero, inputs per scale, float32 scales.
+#: The kernel's weight formats (see kernels.quant_pack): bits, zero, inputs per scale, float32 scales, K factors.
 QUANT_FORMATS = {
-    "4-bit": (4, None, 32, False),  # Q4_1
-    "4-bit, mins of -8 scales": (4, 8, 32, False),  # Q4_0: no mins stored
-    "4-bit, float32 scales": (4, None, 32, True),  # Q4_K
-    "signed bytes": (8, 128, 32, False),  # Q8_0, Q5_0, IQ4_NL
-    "bytes with mins": (8, None, 32, True),  # Q5_1, Q5_K
-    "bytes with mins per 16": (8, None, 16, True),  # Q6_K
+    "4-bit": (4, None, 32, False, False),  # Q4_1
+    "4-bit, mins of -8 scales": (4, 8, 32, False, False),  # Q4_0: no mins stored
+    "4-bit, K factors": (4, None, 32, True, True),  # Q4_K
+    "4-bit, float32 scales": (4, None, 32, True, False),  # 4-bit blocks of mixed formats
+    "signed bytes": (8, 128, 32, False, False),  # Q8_0, Q5_0, IQ4_NL
+    "signed bytes per 16, K factors": (8, 128, 16, True, True),  # Q6_K
+    "bytes with mins, K factors": (8, None, 32, True, True),  # Q5_K
+    "bytes with mins": (8, None, 32, True, False),  # Q5_1
+    "bytes with mins per 16": (8, None, 16, True, False),  # blocks of mixed formats
 }
 
 
 def random_blocks(n: int, k: int, kind: str) -> QuantBlocks:
-    """Blocks of a kernel format with random q, scales and mins (float16 values where the format keeps them so)."""
-    bits, zero, group, wide = QUANT_FORMATS[kind]
+    """Blocks of a kernel format with random q, scales and mins (float16 values where the format keeps them so;
+    a float16 per 256 inputs times an integer step per group where it has K factors)."""
+    bits, zero, group, wide, factors = QUANT_FORMATS[kind]
     q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)
+    if factors:
+        d, dmin = (torch.rand(n, k // 256) * 0.001).half(), (torch.rand(n, k // 256) * 0.001).half()
+        steps = torch.randint(-128 if zero else 0, 128 if zero else 64, (n, k // group), dtype=torch.int8)
+        min_steps = None if zero else -torch.randint(0, 64, (n, k // 32), dtype=torch.int8)
+        scales = d.float().repeat_interleave(256 // group, -1) * steps.float()
+        mins = None if zero else dmin.float().repeat_interleave(8, -1) * min_steps.float()
+        supers = SuperScales(d, steps, None if zero else dmin, min_steps)
+        return QuantBlocks(q, scales, -zero * scales if zero else mins, bits, zero, group, True, supers)
     scales = torch.rand(n, k // group) * 0.01
     mins = -torch.rand(n, k // group) * 0.05
     if not wide:
@@ -491,10 +503,9 @@ def test_quant_linear_race_keeps_top_k_rows_of_the_product_bit_for_bit(kind):
     """The top k kept as the tiles go equal top_k_rows of the written product: values, indices and the order of
     ties (outputs 5 and 300 have the same weights, so every row ties them, 5 first, across the threads' ranges)."""
     torch.manual_seed(11)
-    n, k_in = 400, 576
+    n, k_in = 400, 768
     blocks = random_blocks(n, k_in, kind)
-    for tied in (blocks.scale, blocks.min, blocks.q):
-        tied[300] = tied[5]
+    blocks = blocks.map_rows(lambda t: torch.cat([t[:300], t[5:6], t[301:]]))
     x = torch.randn(13, k_in).bfloat16()
     x[4] = x[4].abs()  # rows where the tied outputs rank high are likelier with the weights below
     blocks.q[5] = blocks.q[300] = 2**blocks.bits - 1

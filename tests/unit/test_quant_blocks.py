@@ -3,6 +3,8 @@ multiplies them, and put into the model untouched."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ import torch
 from gguf.quants import dequantize
 
 from fiberserve.bench.block_quantizers import quantize_blocks
-from fiberserve.model import LlamaModel, kernels, load_checkpoint
+from fiberserve.model import LlamaModel, kernels, load_checkpoint, quant_blocks
 from fiberserve.model.block_formats import NATIVE_BITS
 from fiberserve.model.linear import QuantLinear, quant_kernel_available
 from fiberserve.model.quant_blocks import QUANT_GROUP, QuantBlocks
@@ -49,6 +51,49 @@ def test_k_formats_keep_their_scales_exactly_in_float32():
     blocks = QuantBlocks.from_gguf(file_tensor("Q4_K"), "Q4_K")
     assert blocks.float32_scales and not torch.equal(blocks.scale.half().float(), blocks.scale)
     assert QuantBlocks.from_gguf(file_tensor("Q6_K"), "Q6_K").group == 16
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_formats_keep_their_files_factors_and_pack_them_at_their_size(kind):
+    """A K format's scales are its super-block's float16 times each group's integer step, kept as the file has
+    them: packed, the scales and mins take 16 bits per super-block and 8 per group (Q4_K 4.6 bits a weight)."""
+    blocks = QuantBlocks.from_gguf(file_tensor(kind), kind)
+    own = blocks.supers
+    assert own is not None and own.steps.dtype == torch.int8
+    per_super = 256 // blocks.group
+    assert torch.equal(own.d.float().repeat_interleave(per_super, -1) * own.steps.float(), blocks.scale)
+    if own.dmin is not None:
+        assert torch.equal(own.dmin.float().repeat_interleave(8, -1) * own.min_steps.float(), blocks.min)
+    if quant_kernel_available():
+        weights, scales, mins = kernels.quant_pack(blocks)
+        factor_bits = 8 * (scales.numel() + mins.numel()) / blocks.q.numel()
+        assert factor_bits == {"Q4_K": 0.625, "Q5_K": 0.625, "Q6_K": 0.5625}[kind]
+        assert weights.numel() * 8 / blocks.q.numel() == blocks.bits
+
+
+@pytest.mark.skipif(not quant_kernel_available(), reason="the extension's kernel needs AVX512-VNNI or AVX2")
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
+def test_k_formats_multiply_in_their_own_factors_with_the_bits_of_their_float32_scales(kind):
+    """The kernel computes each group's scale and min from the factors as float32 products, exactly the float32
+    scales and mins the blocks also hold, so the products have the same bits either way."""
+    blocks = QuantBlocks.from_gguf(file_tensor(kind, rows=64, inputs=512), kind)
+    own, wide = kernels.quant_pack(blocks), kernels.quant_pack(dataclasses.replace(blocks, supers=None))
+    assert own[1].dtype == torch.int8 and wide[1].dtype == torch.float32
+    x = torch.randn(13, 512).bfloat16()
+    for rows in (1, 2, 6, 13):
+        for out in (torch.float32, torch.bfloat16):
+            assert torch.equal(
+                kernels.quant_linear(x[:rows], *own, None, out), kernels.quant_linear(x[:rows], *wide, None, out)
+            )
+
+
+def test_large_tensors_are_read_a_few_rows_at_a_time_into_the_same_blocks(monkeypatch):
+    raw = file_tensor("Q4_K", rows=48)
+    whole = QuantBlocks.from_gguf(raw, "Q4_K")
+    monkeypatch.setattr(quant_blocks, "ROWS_AT_ONCE", 20)
+    pieces = QuantBlocks.from_gguf(raw, "Q4_K")
+    assert whole.tensors().keys() == pieces.tensors().keys()
+    assert all(torch.equal(t, pieces.tensors()[name]) for name, t in whole.tensors().items())
 
 
 def test_blocks_of_different_formats_stack_into_one_holding_each_ones_weights():

@@ -236,12 +236,15 @@ def quant_pack(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.T
     """``blocks`` (N % 16 == 0) -> (weights, scales, mins) in :func:`quant_linear`'s layout and one of its formats
     (see ``linear_quant.cpp``):
 
-    * 4 bits: q two per byte, scales and mins float16 where their values are (Q4_1), else float32 (Q4_K); Q4_0's
-      float16 scales alone (its mins are -8 times them, which the kernel computes), the mins returned empty;
+    * 4 bits: q two per byte, scales and mins float16 where their values are (Q4_1); Q4_0's float16 scales alone
+      (its mins are -8 times them, which the kernel computes), the mins returned empty;
     * 8 bits with a zero of 128 and float16 scales per block (Q8_0, Q5_0, IQ4_NL): signed bytes, whose offset the
       kernel computes in integers, so the mins returned are empty;
-    * any other 8 bits (Q5_1, Q5_K, Q6_K, mixed formats): bytes with float32 scales and mins (``-zero * scale``
-      where the blocks have a zero), one per block or per half block."""
+    * the K formats in their own factors (:class:`.SuperScales`): int8 scales and mins, per column block and
+      super-block 16 float16 ``d`` then the groups' steps; Q4_K 4-bit, Q5_K bytes with mins, Q6_K signed bytes
+      with a scale per 16 inputs (its mins empty);
+    * any other 8 bits (Q5_1, mixed formats): bytes with float32 scales and mins (``-zero * scale`` where the blocks
+      have a zero), one per block or per half block; any other 4 bits likewise with float32 scales and mins."""
     q, group = blocks.q, blocks.group
     n, k = q.shape
     if blocks.bits == 4:
@@ -249,6 +252,11 @@ def quant_pack(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.T
         packed = (q6[:, :, 0] | (q6[:, :, 1] << 4)).contiguous()
     else:
         packed = q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()  # [N/16, K/4, 16, 4]
+    empty = torch.empty(0, dtype=torch.half)
+    if blocks.supers is not None:
+        own = blocks.supers
+        mins = empty if own.dmin is None or own.min_steps is None else _super_rows(own.dmin, own.min_steps)
+        return packed, _super_rows(own.d, own.steps), mins
     signed = blocks.bits == 8 and blocks.zero == 128 and group == 32 and not blocks.float32_scales
     half = signed or (blocks.bits == 4 and not blocks.float32_scales)
     zero_eight = blocks.bits == 4 and blocks.zero == 8 and half  # Q4_0: no mins stored
@@ -257,8 +265,17 @@ def quant_pack(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.T
     def per_group(t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.half if half else torch.float32).view(n // 16, 16, k // group).permute(0, 2, 1).contiguous()
 
-    empty = torch.empty(0, dtype=torch.half)
     return packed, per_group(blocks.scale), empty if signed or zero_eight else per_group(mins)
+
+
+def _super_rows(d: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """A K format's factors as :func:`quant_linear` reads them: int8 [N / 16, super-blocks, 32 + 16 * groups], per
+    column block and super-block the 16 outputs' float16 ``d``, then each group's 16 steps."""
+    n, supers = d.shape
+    groups = steps.shape[1] // supers
+    head = d.view(n // 16, 16, supers).permute(0, 2, 1).contiguous().view(torch.int8)
+    body = steps.view(n // 16, 16, supers, groups).permute(0, 2, 3, 1).reshape(n // 16, supers, 16 * groups)
+    return torch.cat([head, body], -1).contiguous()
 
 
 def quant_linear(

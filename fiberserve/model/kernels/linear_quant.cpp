@@ -4,9 +4,9 @@
 // scale group (the block, or each half of it); the formats (`Format` below) differ in how q is stored:
 //   4 bits (Q4_0, Q4_1, Q4_K): q in 0..15, two per byte; a group's dot product is  d * dx * sum(q * xq) + m * sx,
 //                  sx = dx * sum(xq); Q4_0's m is -8 d, computed from d rather than stored (the same value);
-//   8 bits, signed (Q8_0, Q5_0, IQ4_NL): w = d * (q - 128), q stored as a byte; a block's dot product is
+//   8 bits, signed (Q8_0, Q5_0, IQ4_NL, Q6_K): w = d * (q - 128), q stored as a byte; a group's dot product is
 //                  d * dx * (sum(q * xq) - 128 * sum(xq)), no min;
-//   8 bits with mins (Q5_1, Q5_K, Q6_K and blocks of mixed formats): q a byte, the 4-bit arithmetic,
+//   8 bits with mins (Q5_1, Q5_K and blocks of mixed formats): q a byte, the 4-bit arithmetic,
 // i.e. exactly the dot product of the dequantized weights and the quantized activations.  The sums are integer
 // arithmetic: AVX512-VNNI vpdpbusd multiplies 4 unsigned q by 4 signed xq per lane, 64 products an instruction
 // (twice vdpbf16ps's 32).  The scaling takes some of vpdpbusd's issue slots (the convert runs on other pipes): for
@@ -19,7 +19,10 @@
 // 16 outputs); 4 bits as [N / 16][K / 32][4][16][4] bytes, the low nibble for inputs 4j..4j+3 of a block and the
 // high nibble for inputs 16+4j..16+4j+3 (one load holds two steps).  d and m: [N / 16][K / group][16], in float16
 // where the format's values are float16 (a quarter of the bytes of 4-bit weights, where float32 would be half),
-// else float32 (Q4_K's and Q6_K's d is a float16 times a small integer scale, exact in float32 only).
+// else float32.  The K formats' d (and m) is a super-block's float16 times a group's small integer (exact in
+// float32 only), which the tiles compute from the file's own factors (SuperFactors): int8 [N / 16][K / 256][32 +
+// 16 x groups] bytes, per column block and super-block the 16 outputs' float16 factor, then every group's 16
+// integer steps (Q4_K then reads 4.6 bits a weight, not the 6 of float32 scales and mins).
 // Every row tile unpacks the nibbles in registers (a mask, a shift and a mask per load: integer operations that
 // run beside vpdpbusd at no cost), rather than once per column group into a byte buffer: that would add stores
 // and read twice the bytes back.
@@ -37,6 +40,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -90,8 +94,9 @@ struct QuantizedRows {
 };
 
 // A weight format of the kernel: the bits of q (4: two per byte; 8: a byte), whether groups have a min (else q is
-// signed, stored as q + 128), the type of the scales and mins, the inputs each scale covers, and where nonzero the
-// multiple of d that every min is (then no min is stored: the kernel computes it, exactly).
+// signed, stored as q + 128), the type of the scales and mins (int8: a K format's super-block factors and steps),
+// the inputs each scale covers, and where nonzero the multiple of d that every min is (then no min is stored: the
+// kernel computes it, exactly).
 template <int kBits_, bool kMins_, typename scale_t_, int kScaleGroup_, int kMinSteps_ = 0>
 struct Format {
   static constexpr int kBits = kBits_;
@@ -100,19 +105,24 @@ struct Format {
   static constexpr bool kStoredMins = kMins_ && kMinSteps_ == 0;
   static constexpr int kScaleGroup = kScaleGroup_;
   static constexpr int kScalesPerBlock = kGroup / kScaleGroup_;
+  static constexpr bool kSuper = std::is_same_v<scale_t_, int8_t>;
   using scale_t = scale_t_;
-  static_assert(kMins || (kBits == 8 && kScaleGroup == kGroup), "signed q: 8 bits, a scale per block");
+  static_assert(kMins || kBits == 8, "signed q: 8 bits");
   static_assert(kBits == 8 || kScaleGroup == kGroup, "4 bits: a scale per block");
+  static_assert(!kSuper || !kMins || kScaleGroup == kGroup, "a K format's mins: one per block, as its scales");
 };
 
-using Q4 = Format<4, true, c10::Half, 32>;         // Q4_1 (and Q4_0 blocks of a mixed matrix)
+using Q4 = Format<4, true, c10::Half, 32>;           // Q4_1 (and Q4_0 blocks of a mixed matrix)
 using Q4Zero8 = Format<4, true, c10::Half, 32, -8>;  // Q4_0: m = -8 d
-using Q4Wide = Format<4, true, float, 32>;         // Q4_K
-using Q8 = Format<8, false, c10::Half, 32>;        // Q8_0, Q5_0, IQ4_NL
-using Q8Mins = Format<8, true, float, 32>;         // Q5_1, Q5_K
-using Q8HalfMins = Format<8, true, float, 16>;     // Q6_K, and blocks of mixed formats
+using Q4Super = Format<4, true, int8_t, 32>;         // Q4_K
+using Q4Wide = Format<4, true, float, 32>;           // 4-bit blocks of mixed formats
+using Q8 = Format<8, false, c10::Half, 32>;          // Q8_0, Q5_0, IQ4_NL
+using Q8Super = Format<8, false, int8_t, 16>;        // Q6_K
+using Q8SuperMins = Format<8, true, int8_t, 32>;     // Q5_K
+using Q8Mins = Format<8, true, float, 32>;           // Q5_1
+using Q8HalfMins = Format<8, true, float, 16>;       // blocks of mixed formats
 
-enum class FormatId { kQ4, kQ4Zero8, kQ4Wide, kQ8, kQ8Mins, kQ8HalfMins };
+enum class FormatId { kQ4, kQ4Zero8, kQ4Super, kQ4Wide, kQ8, kQ8Super, kQ8SuperMins, kQ8Mins, kQ8HalfMins };
 
 // fn(F{}) for the format `id` names.
 template <typename Fn>
@@ -120,12 +130,31 @@ void with_format(FormatId id, const Fn& fn) {
   switch (id) {
     case FormatId::kQ4: return fn(Q4{});
     case FormatId::kQ4Zero8: return fn(Q4Zero8{});
+    case FormatId::kQ4Super: return fn(Q4Super{});
     case FormatId::kQ4Wide: return fn(Q4Wide{});
     case FormatId::kQ8: return fn(Q8{});
+    case FormatId::kQ8Super: return fn(Q8Super{});
+    case FormatId::kQ8SuperMins: return fn(Q8SuperMins{});
     case FormatId::kQ8Mins: return fn(Q8Mins{});
     case FormatId::kQ8HalfMins: return fn(Q8HalfMins{});
   }
 }
+
+// Where a K format's factors of scale group g lie in a column block's int8 scales (or mins): the super-block's 16
+// float16 factors, and the group's 16 steps.
+template <typename F>
+struct SuperFactors {
+  static constexpr int kGroups = 256 / F::kScaleGroup;  // groups per super-block
+  static constexpr int64_t kBytes = 32 + 16 * kGroups;  // bytes per super-block
+  const c10::Half* factors;
+  const int8_t* steps;
+
+  SuperFactors(const int8_t* column_block, int64_t g) {
+    const int8_t* super = column_block + (g / kGroups) * kBytes;
+    factors = reinterpret_cast<const c10::Half*>(super);
+    steps = super + 32 + (g % kGroups) * 16;
+  }
+};
 
 // A tile's column blocks: the first one's weights, scales and mins (null without), and the strides between blocks.
 template <typename F>
@@ -162,6 +191,19 @@ inline __m512 load_scales(const c10::Half* p) {
 }
 
 inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
+
+// The 16 scales (or mins) of scale group g of a column block whose first is at p: stored, or a K format's factor
+// times its step (the float32 product is exact).
+template <typename F>
+inline __m512 group_scales(const typename F::scale_t* p, int64_t g) {
+  if constexpr (F::kSuper) {
+    const SuperFactors<F> at(p, g);
+    const __m512i steps = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at.steps)));
+    return _mm512_mul_ps(load_scales(at.factors), _mm512_cvtepi32_ps(steps));
+  } else {
+    return load_scales(p + g * kBlock);
+  }
+}
 
 inline void store(c10::BFloat16* out, __m512 y) {  // round to nearest even, like PyTorch
 #if defined(__AVX512BF16__)
@@ -240,8 +282,8 @@ inline void scale_group(const QuantizedRows& x, int64_t row0, int64_t b, int64_t
                         const ColumnBlocks<F>& cols, __m512 (&acc)[MR][NR]) {
   __m512 dv[NR], mv[NR];
   for (int c = 0; c < NR; ++c) {
-    dv[c] = load_scales(cols.d + c * cols.dm_stride + g * kBlock);
-    if constexpr (F::kStoredMins) mv[c] = load_scales(cols.m + c * cols.dm_stride + g * kBlock);
+    dv[c] = group_scales<F>(cols.d + c * cols.dm_stride, g);
+    if constexpr (F::kStoredMins) mv[c] = group_scales<F>(cols.m + c * cols.dm_stride, g);
     else if constexpr (F::kMins) mv[c] = _mm512_mul_ps(dv[c], _mm512_set1_ps(static_cast<float>(F::kMinSteps)));
   }
   for (int r = 0; r < MR; ++r) {
@@ -307,7 +349,8 @@ template <int MR, int NR, typename F, bool kGated, typename out_t>
       constexpr int kGroupSteps = kSteps / F::kScalesPerBlock;
       for (int h = 0; h < F::kScalesPerBlock; ++h) {
         for (int r = 0; r < MR; ++r) {
-          const __m512i start = F::kMins ? _mm512_setzero_si512() : _mm512_set1_epi32(x.offset[(row0 + r) * x.blocks + b]);
+          const __m512i start = F::kMins ? _mm512_setzero_si512()
+                                         : _mm512_set1_epi32(x.offset_of<F::kScaleGroup>(row0 + r, b * F::kScalesPerBlock + h));
           for (int c = 0; c < NR; ++c) sums[0][r][c] = start;
           for (int k = 1; k < kChains; ++k)
             for (int c = 0; c < NR; ++c) sums[k][r][c] = _mm512_setzero_si512();
@@ -467,14 +510,26 @@ struct Operands {
 };
 
 // The format of packed weights, from their tensors (see kernels.quant_pack): 4 bits are 5-dimensional (without mins:
-// Q4_0's, -8 d); signed bytes have no mins; float32 scales hold one per block of 32 or per half block.
+// Q4_0's, -8 d); signed bytes have no mins; float32 scales hold one per block of 32 or per half block; int8 scales
+// are a K format's factors and steps, per half block for signed bytes (Q6_K).
 FormatId format_of(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins, int64_t blocks) {
   const int64_t column_blocks = packed.size(0), per_block = column_blocks * blocks * kBlock;
+  const bool four = packed.dim() == 5;
+  if (scales.scalar_type() == at::kChar) {
+    const bool signed_bytes = mins.numel() == 0;
+    TORCH_CHECK(blocks % 8 == 0 && (signed_bytes ? !four : mins.scalar_type() == at::kChar),
+                "quant_linear: int8 scales are a K format's (K a multiple of 256; mins int8, or none for Q6_K's bytes)");
+    const int64_t supers = column_blocks * (blocks / 8);
+    TORCH_CHECK(scales.numel() == supers * (signed_bytes ? SuperFactors<Q8Super>::kBytes : SuperFactors<Q4Super>::kBytes) &&
+                    (signed_bytes || mins.numel() == scales.numel()),
+                "quant_linear: a K format's scales and mins must be [N / 16, K / 256, 32 + 16 x groups]");
+    return signed_bytes ? FormatId::kQ8Super : four ? FormatId::kQ4Super : FormatId::kQ8SuperMins;
+  }
   const bool half = scales.scalar_type() == at::kHalf;
   TORCH_CHECK((half || scales.scalar_type() == at::kFloat) && mins.scalar_type() == scales.scalar_type(),
               "quant_linear: scales and mins must be float16 or float32, alike");
   TORCH_CHECK(mins.numel() == 0 || mins.numel() == scales.numel(), "quant_linear: mins must match the scales");
-  if (packed.dim() == 5) {
+  if (four) {
     TORCH_CHECK(scales.numel() == per_block && (mins.numel() == per_block || (half && mins.numel() == 0)),
                 "quant_linear: 4 bits need scales and mins [N / 16, K / 32, 16] (float16 scales alone: Q4_0)");
     return mins.numel() == 0 ? FormatId::kQ4Zero8 : half ? FormatId::kQ4 : FormatId::kQ4Wide;

@@ -31,6 +31,19 @@ inline __m256 load_scales8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_load
 
 inline __m256 load_scales8(const float* p) { return _mm256_loadu_ps(p); }
 
+// Half h (8 outputs) of the scales (or mins) of scale group g of a column block whose first is at p: stored, or a
+// K format's factor times its step, as the AVX-512 tile's group_scales.
+template <typename F>
+inline __m256 group_scales8(const typename F::scale_t* p, int64_t g, int h) {
+  if constexpr (F::kSuper) {
+    const SuperFactors<F> at(p, g);
+    const __m128i steps = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at.steps + 8 * h));
+    return _mm256_mul_ps(load_scales8(at.factors + 8 * h), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(steps)));
+  } else {
+    return load_scales8(p + g * kBlock + 8 * h);
+  }
+}
+
 // An empty asm that takes v in a register and may change it: the compiler must finish each step's sum before the
 // next instead of reassociating the integer adds (GCC computed all 32 of a block's products first and spilled them
 // to the stack, then added them up: a third of the tile's instructions were stores and reloads).
@@ -92,13 +105,14 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, floa
   });
 }
 
-// The float sums of scale group g (of block b) from its integer sums, into result: acc += m * sx + sums * (d * dx).
+// The float sums of scale group g (of block b) from its integer sums, into result: acc += m * sx + sums * (d * dx),
+// for half h of the column block whose scales and mins start at d and m.
 template <int MR, typename F>
 inline void scale_group8(const QuantizedRows& x, int64_t row0, int64_t b, int64_t g, const __m256i (&sums)[MR],
-                         const typename F::scale_t* d, const typename F::scale_t* m, float* result, int64_t ldr) {
-  const __m256 dv = load_scales8(d + g * kBlock);
+                         const typename F::scale_t* d, const typename F::scale_t* m, int h, float* result, int64_t ldr) {
+  const __m256 dv = group_scales8<F>(d, g, h);
   __m256 mv = _mm256_setzero_ps();
-  if constexpr (F::kStoredMins) mv = load_scales8(m + g * kBlock);
+  if constexpr (F::kStoredMins) mv = group_scales8<F>(m, g, h);
   else if constexpr (F::kMins) mv = _mm256_mul_ps(dv, _mm256_set1_ps(static_cast<float>(F::kMinSteps)));
   for (int r = 0; r < MR; ++r) {
     __m256 acc = _mm256_load_ps(result + r * ldr);
@@ -108,11 +122,11 @@ inline void scale_group8(const QuantizedRows& x, int64_t row0, int64_t b, int64_
   }
 }
 
-// The tile's MR rows of one half (8 outputs) of a column block: the float sums, group after group, into
+// The tile's MR rows of half h (8 outputs) of a column block: the float sums, group after group, into
 // result[r][0..8).  Walking a half with every row of the tile unpacks each weight load once for MR rows.
 template <int MR, typename F>
 inline void half_tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, const typename F::scale_t* d,
-                      const typename F::scale_t* m, float* result, int64_t ldr) {
+                      const typename F::scale_t* m, int h, float* result, int64_t ldr) {
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
   for (int r = 0; r < MR; ++r) _mm256_store_ps(result + r * ldr, _mm256_setzero_ps());
   for (int64_t b = 0; b < x.blocks; ++b) {
@@ -131,14 +145,14 @@ inline void half_tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, co
         }
       }
       for (int r = 0; r < MR; ++r) sums[r] = _mm256_madd_epi16(s16[r], ones);
-      scale_group8<MR, F>(x, row0, b, b, sums, d, m, result, ldr);
+      scale_group8<MR, F>(x, row0, b, b, sums, d, m, h, result, ldr);
     } else {
       constexpr int kGroupSteps = kSteps / F::kScalesPerBlock;
-      for (int h = 0; h < F::kScalesPerBlock; ++h) {
-        const int64_t g = b * F::kScalesPerBlock + h;
+      for (int part = 0; part < F::kScalesPerBlock; ++part) {
+        const int64_t g = b * F::kScalesPerBlock + part;
         for (int r = 0; r < MR; ++r)  // with mins: sum(q * xq) = sum((q - 128) * xq) - (-128 * sum(xq))
           sums[r] = F::kMins ? _mm256_set1_epi32(-x.offset_of<F::kScaleGroup>(row0 + r, g)) : _mm256_setzero_si256();
-        for (int s = h * kGroupSteps; s < (h + 1) * kGroupSteps; ++s) {
+        for (int s = part * kGroupSteps; s < (part + 1) * kGroupSteps; ++s) {
           const __m256i sign = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b * kSteps + s) * 64)), flip);
           const __m256i mag = _mm256_abs_epi8(sign);  // |q - 128|, read unsigned: 128 for q = 0
           for (int r = 0; r < MR; ++r) {
@@ -147,7 +161,7 @@ inline void half_tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, co
             in_register(sums[r]);
           }
         }
-        scale_group8<MR, F>(x, row0, b, g, sums, d, m, result, ldr);
+        scale_group8<MR, F>(x, row0, b, g, sums, d, m, h, result, ldr);
       }
     }
   }
@@ -160,8 +174,8 @@ template <int MR, int NR, typename F, bool kGated, typename out_t>
   alignas(64) float result[MR][NR][kBlock];
   for (int c = 0; c < NR; ++c)
     for (int h = 0; h < 2; ++h)
-      half_tile<MR, F>(x, row0, cols.w + c * cols.w_stride + 32 * h, cols.d + c * cols.dm_stride + 8 * h,
-                       F::kStoredMins ? cols.m + c * cols.dm_stride + 8 * h : nullptr, result[0][c] + 8 * h, NR * kBlock);
+      half_tile<MR, F>(x, row0, cols.w + c * cols.w_stride + 32 * h, cols.d + c * cols.dm_stride,
+                       F::kStoredMins ? cols.m + c * cols.dm_stride : nullptr, h, result[0][c] + 8 * h, NR * kBlock);
   static_assert(!kGated || NR == 2, "a gated tile is one gate block and its up block");
   store_tile<MR, NR, kGated>(result, bias, out, ldo);
 }
