@@ -135,7 +135,7 @@ class QuantLinear:
         dtype = dtype or (weight.dtype if isinstance(weight, torch.Tensor) else torch.bfloat16)
         self.out_features, self.in_features = n, _ = blocks.shape
         self.native = weight.device.type == "cpu" and n % 16 == 0 and quant_kernel_available()
-        if not self.native and blocks.bits == 8 and bits == 4:  # PyTorch's int4 kernel takes 4-bit blocks only
+        if not self.native and blocks.bits != 4 and bits == 4:  # PyTorch's int4 kernel takes 4-bit blocks only
             blocks = QuantBlocks.quantize(blocks.dequantize(), 4)
         q, scale, lo, bits = blocks.q, blocks.scale, blocks.min, blocks.bits
         self.min_rows = 1 if self.native else MIN_ROWS

@@ -7,8 +7,8 @@ Kinds of block, by the bits of ``q``:
   Q4_K (a super-block's float16 ``d`` and ``dmin`` times each block's 6-bit scale and min);
 * 8 bits, ``q`` a byte: llama.cpp's Q8_0 (its signed q stored as q + 128, ``zero = 128``), Q5_0 (``w = d * (q -
   16)`` with q in 0..31, stored as q + 112), IQ4_NL (``w = d * table[q]``, its 4-bit index looked up in
-  llama.cpp's table of 16 int8 values, stored as table[q] + 128), Q5_1 and Q5_K (5-bit q with a min), and Q6_K
-  (``w = d * scale8 * (q - 32)`` per 16 inputs, q stored as q + 96).
+  llama.cpp's table of 16 int8 values, stored as table[q] + 128), Q5_1 and Q5_K (5-bit q with a min);
+* 6 bits: Q6_K (``w = d * scale8 * (q - 32)`` per 16 inputs, ``zero = 32``).
 
 Scales and mins hold the file's values exactly: float16 values, or float32 where the format multiplies a float16
 by a small integer (Q4_K, Q5_K, Q6_K).  The K formats also keep those factors as the file has them
@@ -60,7 +60,7 @@ class QuantBlocks:
     q: torch.Tensor  #: uint8 [N, K]
     scale: torch.Tensor  #: float32 [N, K / group]
     min: torch.Tensor  #: float32 [N, K / group] (``-zero * scale`` where there is a zero)
-    bits: int  #: 4 or 8
+    bits: int  #: 4, 6 (Q6_K) or 8
     zero: int | None = None
     group: int = QUANT_GROUP  #: inputs per scale: 32, or 16 (Q6_K)
     float32_scales: bool = False  #: whether scales and mins need float32 (else their values are float16)
@@ -264,11 +264,11 @@ def _k_blocks(blocks: np.ndarray, type_name: str) -> QuantBlocks:
         low = (low_bytes & 0x0F).reshape(n, supers, 8, 32)  # each 128 inputs: ql[0:64] low nibbles, then high
         shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
         high = ((blocks[..., 128:192].reshape(n, supers, 2, 1, 32) >> shifts) & 0x03).reshape(n, supers, 8, 32)
-        q = (low | (high << 4)) + np.uint8(96)  # d * s * (q - 32) == d * s * ((q + 96) - 128)
         steps = blocks[..., 192:208].view(np.int8)
         d = _halves(blocks, 208)[..., None] * steps.astype(np.float32)
         own = SuperScales(_float16s(blocks, 208), torch.from_numpy(steps.reshape(n, -1).copy()))
-        return replace(QuantBlocks._of(q, d, -128 * d, 8, 128, group=16, float32_scales=True), supers=own)
+        q = low | (high << 4)
+        return replace(QuantBlocks._of(q, d, -32 * d, 6, 32, group=16, float32_scales=True), supers=own)
     d, dmin = _halves(blocks, 0)[..., None], _halves(blocks, 2)[..., None]
     packed = blocks[..., 4:16].reshape(n, supers, 3, 4)  # the 6-bit scales and mins of 8 blocks
     first, second, rest = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]

@@ -321,7 +321,7 @@ QUANT_FORMATS = {
     "4-bit, K factors": (4, None, 32, True, True),  # Q4_K
     "4-bit, float32 scales": (4, None, 32, True, False),  # 4-bit blocks of mixed formats
     "signed bytes": (8, 128, 32, False, False),  # Q8_0, Q5_0, IQ4_NL
-    "signed bytes per 16, K factors": (8, 128, 16, True, True),  # Q6_K
+    "6-bit, K factors": (6, 32, 16, True, True),  # Q6_K
     "bytes with mins, K factors": (8, None, 32, True, True),  # Q5_K
     "bytes with mins": (8, None, 32, True, False),  # Q5_1
     "bytes with mins per 16": (8, None, 16, True, False),  # blocks of mixed formats

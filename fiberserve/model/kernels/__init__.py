@@ -241,15 +241,19 @@ def quant_pack(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.T
     * 8 bits with a zero of 128 and float16 scales per block (Q8_0, Q5_0, IQ4_NL): signed bytes, whose offset the
       kernel computes in integers, so the mins returned are empty;
     * the K formats in their own factors (:class:`.SuperScales`): int8 scales and mins, per column block and
-      super-block 16 float16 ``d`` then the groups' steps; Q4_K 4-bit, Q5_K bytes with mins, Q6_K signed bytes
-      with a scale per 16 inputs (its mins empty);
+      super-block 16 float16 ``d`` then the groups' steps; Q4_K 4-bit, Q5_K bytes with mins, Q6_K 6-bit (the
+      4-bit layout's nibbles, then per block 2 loads of high bits) with a scale per 16 inputs (its mins empty);
     * any other 8 bits (Q5_1, mixed formats): bytes with float32 scales and mins (``-zero * scale`` where the blocks
       have a zero), one per block or per half block; any other 4 bits likewise with float32 scales and mins."""
     q, group = blocks.q, blocks.group
     n, k = q.shape
-    if blocks.bits == 4:
-        q6 = q.view(n // 16, 16, k // 32, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # [N/16, K/32, half, step, 16, 4]
-        packed = (q6[:, :, 0] | (q6[:, :, 1] << 4)).contiguous()
+    if blocks.bits in (4, 6):
+        q6 = q.view(n // 16, 16, k // 32, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # [N/16, K/32, half, load, 16, 4]
+        packed = ((q6[:, :, 0] & 0x0F) | ((q6[:, :, 1] & 0x0F) << 4)).contiguous()
+        if blocks.bits == 6:  # each high-bit load: the 2 high bits of loads 2i, 2i + 1, low half then high
+            high = (q6 >> 4).view(n // 16, k // 32, 2, 2, 2, 16, 4)  # [.., half, i, load of the pair, 16, 4]
+            fields = [high[:, :, half, :, pair] << (2 * (2 * pair + half)) for pair in (0, 1) for half in (0, 1)]
+            packed = torch.cat([packed, fields[0] | fields[1] | fields[2] | fields[3]], 2).contiguous()
     else:
         packed = q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()  # [N/16, K/4, 16, 4]
     empty = torch.empty(0, dtype=torch.half)

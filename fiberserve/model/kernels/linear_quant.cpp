@@ -4,8 +4,9 @@
 // scale group (the block, or each half of it); the formats (`Format` below) differ in how q is stored:
 //   4 bits (Q4_0, Q4_1, Q4_K): q in 0..15, two per byte; a group's dot product is  d * dx * sum(q * xq) + m * sx,
 //                  sx = dx * sum(xq); Q4_0's m is -8 d, computed from d rather than stored (the same value);
-//   8 bits, signed (Q8_0, Q5_0, IQ4_NL, Q6_K): w = d * (q - 128), q stored as a byte; a group's dot product is
+//   8 bits, signed (Q8_0, Q5_0, IQ4_NL): w = d * (q - 128), q stored as a byte; a group's dot product is
 //                  d * dx * (sum(q * xq) - 128 * sum(xq)), no min;
+//   6 bits, signed (Q6_K): w = d * (q - 32), q in 0..63 as a 4-bit part and a 2-bit part, a scale per 16 inputs;
 //   8 bits with mins (Q5_1, Q5_K and blocks of mixed formats): q a byte, the 4-bit arithmetic,
 // i.e. exactly the dot product of the dequantized weights and the quantized activations.  The sums are integer
 // arithmetic: AVX512-VNNI vpdpbusd multiplies 4 unsigned q by 4 signed xq per lane, 64 products an instruction
@@ -17,7 +18,9 @@
 //
 // Layout, per 16 output features: 8 bits as [N / 16][K / 4][16][4] bytes (one 64-byte load is a 4-input step of
 // 16 outputs); 4 bits as [N / 16][K / 32][4][16][4] bytes, the low nibble for inputs 4j..4j+3 of a block and the
-// high nibble for inputs 16+4j..16+4j+3 (one load holds two steps).  d and m: [N / 16][K / group][16], in float16
+// high nibble for inputs 16+4j..16+4j+3 (one load holds two steps); 6 bits as the 4 bits' 4 loads of a block and
+// then 2 more, each byte of those holding the 2 high bits of the same byte of 4 of the nibble loads' steps (load
+// 2i + l, nibble n at bits 2 (2l + n)): a shift and a mask put them above the nibbles.  d and m: [N / 16][K / group][16], in float16
 // where the format's values are float16 (a quarter of the bytes of 4-bit weights, where float32 would be half),
 // else float32.  The K formats' d (and m) is a super-block's float16 times a group's small integer (exact in
 // float32 only), which the tiles compute from the file's own factors (SuperFactors): int8 [N / 16][K / 256][32 +
@@ -101,14 +104,17 @@ template <int kBits_, bool kMins_, typename scale_t_, int kScaleGroup_, int kMin
 struct Format {
   static constexpr int kBits = kBits_;
   static constexpr bool kMins = kMins_;
+  static constexpr int kZero = kBits_ == 6 ? 32 : 128;  // a signed q's offset
+  static constexpr int64_t kBlockBytes = kGroup * kBlock * kBits_ / 8;  // bytes of a block of a column block
   static constexpr int kMinSteps = kMinSteps_;
   static constexpr bool kStoredMins = kMins_ && kMinSteps_ == 0;
   static constexpr int kScaleGroup = kScaleGroup_;
   static constexpr int kScalesPerBlock = kGroup / kScaleGroup_;
   static constexpr bool kSuper = std::is_same_v<scale_t_, int8_t>;
   using scale_t = scale_t_;
-  static_assert(kMins || kBits == 8, "signed q: 8 bits");
-  static_assert(kBits == 8 || kScaleGroup == kGroup, "4 bits: a scale per block");
+  static_assert(kMins || kBits >= 6, "signed q: 6 or 8 bits");
+  static_assert(kBits != 4 || kScaleGroup == kGroup, "4 bits: a scale per block");
+  static_assert(kBits != 6 || (!kMins && kScaleGroup == kGroup / 2), "6 bits: signed, a scale per half block");
   static_assert(!kSuper || !kMins || kScaleGroup == kGroup, "a K format's mins: one per block, as its scales");
 };
 
@@ -117,12 +123,12 @@ using Q4Zero8 = Format<4, true, c10::Half, 32, -8>;  // Q4_0: m = -8 d
 using Q4Super = Format<4, true, int8_t, 32>;         // Q4_K
 using Q4Wide = Format<4, true, float, 32>;           // 4-bit blocks of mixed formats
 using Q8 = Format<8, false, c10::Half, 32>;          // Q8_0, Q5_0, IQ4_NL
-using Q8Super = Format<8, false, int8_t, 16>;        // Q6_K
+using Q6Super = Format<6, false, int8_t, 16>;        // Q6_K
 using Q8SuperMins = Format<8, true, int8_t, 32>;     // Q5_K
 using Q8Mins = Format<8, true, float, 32>;           // Q5_1
 using Q8HalfMins = Format<8, true, float, 16>;       // blocks of mixed formats
 
-enum class FormatId { kQ4, kQ4Zero8, kQ4Super, kQ4Wide, kQ8, kQ8Super, kQ8SuperMins, kQ8Mins, kQ8HalfMins };
+enum class FormatId { kQ4, kQ4Zero8, kQ4Super, kQ4Wide, kQ6Super, kQ8, kQ8SuperMins, kQ8Mins, kQ8HalfMins };
 
 // fn(F{}) for the format `id` names.
 template <typename Fn>
@@ -132,8 +138,8 @@ void with_format(FormatId id, const Fn& fn) {
     case FormatId::kQ4Zero8: return fn(Q4Zero8{});
     case FormatId::kQ4Super: return fn(Q4Super{});
     case FormatId::kQ4Wide: return fn(Q4Wide{});
+    case FormatId::kQ6Super: return fn(Q6Super{});
     case FormatId::kQ8: return fn(Q8{});
-    case FormatId::kQ8Super: return fn(Q8Super{});
     case FormatId::kQ8SuperMins: return fn(Q8SuperMins{});
     case FormatId::kQ8Mins: return fn(Q8Mins{});
     case FormatId::kQ8HalfMins: return fn(Q8HalfMins{});
@@ -296,20 +302,51 @@ inline void scale_group(const QuantizedRows& x, int64_t row0, int64_t b, int64_t
   }
 }
 
-// Bytes of one block of 32 inputs of a 4-bit column block.
-constexpr int64_t kBlockBytes4 = kGroup * kBlock / 2;
-// How far ahead of its reads a one-row 4-bit tile prefetches its weights: it has little arithmetic per byte, so the
-// loads it has in flight alone leave memory idle between them (docs/performance.md has the figures; the 8-bit tile,
-// with twice the bytes per block in flight, gains nothing measurable from it).
+// How far ahead of its reads a one-row 4- or 6-bit tile prefetches its weights: it has little arithmetic per byte,
+// so the loads it has in flight alone leave memory idle between them (docs/performance.md has the figures; the
+// 8-bit tile, with more bytes per block in flight, gains nothing measurable from it).
 constexpr int64_t kOneRowAhead = 2048;
 
-// Prefetch the cache lines kOneRowAhead bytes past `offset` into each 4-bit column block's weights, for one block
-// of inputs (past a column block's end, the lines are the next one's: its thread's next group).
+// Prefetch the cache lines kOneRowAhead bytes past `offset` into each column block's weights, for one block of
+// inputs (past a column block's end, the lines are the next one's: its thread's next group).
 template <int NR, typename F>
 inline void prefetch_ahead(const ColumnBlocks<F>& cols, int64_t offset) {
   for (int c = 0; c < NR; ++c)
-    for (int64_t line = 0; line < kBlockBytes4; line += 64)
+    for (int64_t line = 0; line < F::kBlockBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(cols.w + c * cols.w_stride + offset + line + kOneRowAhead), _MM_HINT_T0);
+}
+
+// The 2 high bits of 6-bit q that `high` (one of a block's 2 high-bit loads) holds at bits 2 * field, moved to bits
+// 4 and 5 of each byte (16-bit shifts: no bits cross into those of another byte).
+template <int kField>
+inline __m512i high_bits(__m512i high) {
+  const __m512i mask = _mm512_set1_epi8(0x30);
+  if constexpr (kField < 2) return _mm512_and_si512(_mm512_slli_epi16(high, 4 - 2 * kField), mask);
+  else return _mm512_and_si512(_mm512_srli_epi16(high, 2 * kField - 4), mask);
+}
+
+// Load j's (of a block's 4) 64 q of half h of a 6-bit block at w: its nibbles, h's half, and their high bits.
+template <int kHalf, int kLoad>
+inline __m512i six_bits(const uint8_t* w) {
+  const __m512i v = _mm512_loadu_si512(w + kLoad * 64), low = _mm512_set1_epi8(0x0F);
+  const __m512i nibbles = _mm512_and_si512(kHalf ? _mm512_srli_epi16(v, 4) : v, low);
+  return _mm512_or_si512(nibbles, high_bits<2 * (kLoad % 2) + kHalf>(_mm512_loadu_si512(w + (4 + kLoad / 2) * 64)));
+}
+
+// The integer sums of half h (16 inputs) of block b of a 6-bit column block, its 4 steps.
+template <int kHalf, int MR, int NR, int kChains, typename F>
+inline void six_bit_half(const QuantizedRows& x, int64_t row0, int64_t b, const ColumnBlocks<F>& cols,
+                         __m512i (&sums)[kChains][MR][NR]) {
+  const int64_t input = b * kGroup + 16 * kHalf;
+  const auto load = [&](auto j) {
+    __m512i wv[NR];
+    for (int c = 0; c < NR; ++c) wv[c] = six_bits<kHalf, decltype(j)::value>(cols.w + c * cols.w_stride + b * F::kBlockBytes);
+    step<MR, NR>(x, row0, input + 4 * decltype(j)::value, wv, sums[decltype(j)::value % kChains]);
+  };
+  load(std::integral_constant<int, 0>{});
+  load(std::integral_constant<int, 1>{});
+  load(std::integral_constant<int, 2>{});
+  load(std::integral_constant<int, 3>{});
 }
 
 // MR rows x NR column blocks of weights in format F.
@@ -332,7 +369,7 @@ template <int MR, int NR, typename F, bool kGated, typename out_t>
       for (int k = 0; k < kChains; ++k)
         for (int r = 0; r < MR; ++r)
           for (int c = 0; c < NR; ++c) sums[k][r][c] = _mm512_setzero_si512();
-      if constexpr (MR == 1) prefetch_ahead<NR, F>(cols, b * kBlockBytes4);
+      if constexpr (MR == 1) prefetch_ahead<NR, F>(cols, b * F::kBlockBytes);
       for (int j = 0; j < 4; ++j) {
         __m512i lo[NR], hi[NR];
         for (int c = 0; c < NR; ++c) {
@@ -345,6 +382,22 @@ template <int MR, int NR, typename F, bool kGated, typename out_t>
       }
       join_chains(sums);
       scale_group<MR, NR, F>(x, row0, b, b, sums[0], cols, acc);
+    } else if constexpr (F::kBits == 6) {
+      if constexpr (MR == 1) prefetch_ahead<NR, F>(cols, b * F::kBlockBytes);
+      const auto half = [&](auto h) {
+        constexpr int kHalf = decltype(h)::value;
+        for (int r = 0; r < MR; ++r) {
+          const int32_t start = x.offset_of<16>(row0 + r, 2 * b + kHalf) / (128 / F::kZero);  // -32 * sum(xq)
+          for (int c = 0; c < NR; ++c) sums[0][r][c] = _mm512_set1_epi32(start);
+          for (int k = 1; k < kChains; ++k)
+            for (int c = 0; c < NR; ++c) sums[k][r][c] = _mm512_setzero_si512();
+        }
+        six_bit_half<kHalf>(x, row0, b, cols, sums);
+        join_chains(sums);
+        scale_group<MR, NR, F>(x, row0, b, 2 * b + kHalf, sums[0], cols, acc);
+      };
+      half(std::integral_constant<int, 0>{});
+      half(std::integral_constant<int, 1>{});
     } else {
       constexpr int kGroupSteps = kSteps / F::kScalesPerBlock;
       for (int h = 0; h < F::kScalesPerBlock; ++h) {
@@ -509,22 +562,22 @@ struct Operands {
   int64_t M;
 };
 
-// The format of packed weights, from their tensors (see kernels.quant_pack): 4 bits are 5-dimensional (without mins:
-// Q4_0's, -8 d); signed bytes have no mins; float32 scales hold one per block of 32 or per half block; int8 scales
-// are a K format's factors and steps, per half block for signed bytes (Q6_K).
+// The format of packed weights, from their tensors (see kernels.quant_pack): 4 bits are 5-dimensional [N / 16,
+// K / 32, 4, 16, 4] (without mins: Q4_0's, -8 d), 6 bits likewise with 6 loads a block; signed bytes have no mins;
+// float32 scales hold one per block of 32 or per half block; int8 scales are a K format's factors and steps.
 FormatId format_of(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins, int64_t blocks) {
   const int64_t column_blocks = packed.size(0), per_block = column_blocks * blocks * kBlock;
-  const bool four = packed.dim() == 5;
+  const bool four = packed.dim() == 5 && packed.size(2) == 4, six = packed.dim() == 5 && packed.size(2) == 6;
   if (scales.scalar_type() == at::kChar) {
-    const bool signed_bytes = mins.numel() == 0;
-    TORCH_CHECK(blocks % 8 == 0 && (signed_bytes ? !four : mins.scalar_type() == at::kChar),
-                "quant_linear: int8 scales are a K format's (K a multiple of 256; mins int8, or none for Q6_K's bytes)");
+    TORCH_CHECK(blocks % 8 == 0 && (six ? mins.numel() == 0 : mins.scalar_type() == at::kChar),
+                "quant_linear: int8 scales are a K format's (K a multiple of 256; int8 mins, none for 6 bits)");
     const int64_t supers = column_blocks * (blocks / 8);
-    TORCH_CHECK(scales.numel() == supers * (signed_bytes ? SuperFactors<Q8Super>::kBytes : SuperFactors<Q4Super>::kBytes) &&
-                    (signed_bytes || mins.numel() == scales.numel()),
+    TORCH_CHECK(scales.numel() == supers * (six ? SuperFactors<Q6Super>::kBytes : SuperFactors<Q4Super>::kBytes) &&
+                    (six || mins.numel() == scales.numel()),
                 "quant_linear: a K format's scales and mins must be [N / 16, K / 256, 32 + 16 x groups]");
-    return signed_bytes ? FormatId::kQ8Super : four ? FormatId::kQ4Super : FormatId::kQ8SuperMins;
+    return six ? FormatId::kQ6Super : four ? FormatId::kQ4Super : FormatId::kQ8SuperMins;
   }
+  TORCH_CHECK(!six, "quant_linear: 6 bits take a K format's int8 scales");
   const bool half = scales.scalar_type() == at::kHalf;
   TORCH_CHECK((half || scales.scalar_type() == at::kFloat) && mins.scalar_type() == scales.scalar_type(),
               "quant_linear: scales and mins must be float16 or float32, alike");
@@ -548,11 +601,12 @@ Operands operands(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
               "quant_linear: x must be bf16 or float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), blocks = K / kGroup;
   TORCH_CHECK(K % kGroup == 0, "quant_linear: K must be a multiple of 32");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && ((packed.dim() == 5 && packed.size(1) == blocks) ||
+  TORCH_CHECK(packed.scalar_type() == at::kByte && ((packed.dim() == 5 && packed.size(1) == blocks &&
+                                                      (packed.size(2) == 4 || packed.size(2) == 6)) ||
                                                      (packed.dim() == 4 && packed.size(1) * 4 == K)),
               "quant_linear: weight not packed for this K");
   const FormatId format = format_of(packed, scales, mins, blocks);
-  const int bits = packed.dim() == 5 ? 4 : 8;
+  const int bits = packed.dim() == 5 ? (packed.size(2) == 6 ? 6 : 4) : 8;
   const int64_t column_blocks = packed.size(0);
   const at::Tensor a = x.contiguous(), w = packed.contiguous(), d = scales.contiguous(), m = mins.contiguous();
   thread_local std::vector<int8_t> xq;

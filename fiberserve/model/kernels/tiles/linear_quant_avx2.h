@@ -6,6 +6,8 @@
 // products vpdpbusd gives, for 8 outputs (a 64-byte step of 16 outputs is two 32-byte halves).
 //   4 bits: q <= 15, so a pair is at most 2 * 15 * 127 and a block's 8 steps add up in int16 without overflow
 //           (30480 < 2^15): one vpmaddwd per block and half, not per step.
+//   6 bits: q <= 63, so a step's pairs fit int16 (2 * 63 * 127) but not 4 steps' sum: one vpmaddwd per step; the
+//           sums start at -32 * sum(xq), the AVX-512 tile's integers;
 //   8 bits: a byte q up to 255, which vpmaddubsw's pairs could overflow; the tile runs q - 128 (its magnitude as
 //           the unsigned byte, its sign moved onto the activation: |q - 128| <= 128, pairs < 2^15), one vpmaddwd
 //           per step.  For signed formats sum((q - 128) * xq) is the integer the AVX-512 tile reaches from its
@@ -122,6 +124,18 @@ inline void scale_group8(const QuantizedRows& x, int64_t row0, int64_t b, int64_
   }
 }
 
+// As the AVX-512 tile's six_bits: load j's q of inputs half `part` of a 6-bit block at w, for the 8 outputs of
+// the 32 bytes at w.
+template <int kPart, int kLoad>
+inline __m256i six_bits8(const uint8_t* w) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kLoad * 64)), low = _mm256_set1_epi8(0x0F);
+  const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (4 + kLoad / 2) * 64));
+  constexpr int kField = 2 * (kLoad % 2) + kPart;
+  const __m256i moved = kField < 2 ? _mm256_slli_epi16(high, 4 - 2 * kField) : _mm256_srli_epi16(high, 2 * kField - 4);
+  return _mm256_or_si256(_mm256_and_si256(kPart ? _mm256_srli_epi16(v, 4) : v, low),
+                         _mm256_and_si256(moved, _mm256_set1_epi8(0x30)));
+}
+
 // The tile's MR rows of half h (8 outputs) of a column block: the float sums, group after group, into
 // result[r][0..8).  Walking a half with every row of the tile unpacks each weight load once for MR rows.
 template <int MR, typename F>
@@ -146,6 +160,28 @@ inline void half_tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, co
       }
       for (int r = 0; r < MR; ++r) sums[r] = _mm256_madd_epi16(s16[r], ones);
       scale_group8<MR, F>(x, row0, b, b, sums, d, m, h, result, ldr);
+    } else if constexpr (F::kBits == 6) {
+      const auto part = [&](auto half) {
+        constexpr int kPart = decltype(half)::value;
+        const int64_t g = 2 * b + kPart;
+        for (int r = 0; r < MR; ++r) sums[r] = _mm256_set1_epi32(x.offset_of<16>(row0 + r, g) / (128 / F::kZero));
+        const auto load = [&](auto j) {
+          constexpr int kLoad = decltype(j)::value;
+          const __m256i q = six_bits8<kPart, kLoad>(w + b * F::kBlockBytes);
+          for (int r = 0; r < MR; ++r) {
+            const __m256i pairs = _mm256_maddubs_epi16(q, broadcast4(xb + r * x.K + 16 * kPart + 4 * kLoad));
+            sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs, ones));
+            in_register(sums[r]);
+          }
+        };
+        load(std::integral_constant<int, 0>{});
+        load(std::integral_constant<int, 1>{});
+        load(std::integral_constant<int, 2>{});
+        load(std::integral_constant<int, 3>{});
+        scale_group8<MR, F>(x, row0, b, g, sums, d, m, h, result, ldr);
+      };
+      part(std::integral_constant<int, 0>{});
+      part(std::integral_constant<int, 1>{});
     } else {
       constexpr int kGroupSteps = kSteps / F::kScalesPerBlock;
       for (int part = 0; part < F::kScalesPerBlock; ++part) {
