@@ -110,10 +110,13 @@ def _copy_tokenizer(writer, tokenizer_file: Path, vocab: int) -> None:
         elif key == "tokenizer.ggml.token_type":
             value = value + [gguf.TokenType.UNUSED] * (vocab - len(value))
         if isinstance(value, list):
-            item = gguf.GGUFValueType.STRING if value and isinstance(value[0], str) else gguf.GGUFValueType.INT32
+            first = value[0] if value else 0
+            item = gguf.GGUFValueType.get_type(first.item() if isinstance(first, np.generic) else first)
             writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=item)
         elif isinstance(value, str):
             writer.add_string(key, value)
+        elif isinstance(value, bool):  # before int: llama.cpp refuses a flag stored as a number
+            writer.add_bool(key, value)
         else:
             writer.add_uint32(key, int(value))
     if len(source.fields["tokenizer.ggml.tokens"]) > vocab:

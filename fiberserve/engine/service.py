@@ -22,6 +22,7 @@ import os
 import random
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent, To
 from fiberserve.model import kernels
 from fiberserve.model.assets import DEFAULT_MODEL_NAME, default_model_path
 from fiberserve.model.block_formats import NATIVE_BITS
+from fiberserve.model.config import ModelConfig
 from fiberserve.model.llama import KVCache, LlamaModel
 from fiberserve.model.loader import Checkpoint, load_checkpoint
 from fiberserve.model.tokenizer import Tokenizer, load_tokenizer
@@ -225,14 +227,30 @@ def _one_intra_op_thread() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+def _load_text_side(path: str, cache_dir: str | None, model_config: ModelConfig) -> tuple[Tokenizer, GrammarCompiler]:
+    """The model's tokenizer and its grammar compiler, prepared (at start, not in the first constrained request)."""
+    tokenizer = load_tokenizer(path, cache_dir, model_config.eos_token_ids)
+    grammars = GrammarCompiler(tokenizer, model_config.vocab_size)
+    grammars.prepare()
+    return tokenizer, grammars
+
+
 class LlmService:
     """The serving engine; build with :meth:`load`, then ``await start()`` on the loop that serves."""
 
-    def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer: Tokenizer, model_path: str) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaModel,
+        tokenizer: Tokenizer,
+        model_path: str,
+        grammars: GrammarCompiler | None = None,
+    ) -> None:
+        """``grammars``: the tokenizer's compiler, where :meth:`load` prepared it; else one built on first use."""
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
-        self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size)
+        self.grammars = grammars or GrammarCompiler(tokenizer, model.config.vocab_size)
         self.model_path = model_path
         self.max_context = model.config.max_context
         if config.max_model_len is not None:
@@ -284,14 +302,15 @@ class LlmService:
         """Load weights and tokenizer (seconds for the default model); fetch the default if needed."""
         path = config.model or str(default_model_path(config.cache_dir, progress=config.progress))
         return_freed_buffers()  # the load's temporaries leave nothing resident; serving keeps its buffers
-        with _one_intra_op_thread():
+        with _one_intra_op_thread(), ThreadPoolExecutor(1, thread_name_prefix="fiberserve-tokenizer") as side:
             checkpoint = load_checkpoint(path)  # first: a bad --model fails at once,
             dtype = resolve_dtype(config.dtype, config.device)  # not after the kernels' first build
             quantization = resolve_quantization(config.quantization, checkpoint, config.device)
+            # The tokenizer and the grammar compiler's view of it are read on another core while the weights load.
+            text = side.submit(_load_text_side, path, config.cache_dir, checkpoint.config)
             model = LlamaModel(checkpoint, dtype, config.device, quantization, progress=config.progress)
-            tokenizer = load_tokenizer(path, config.cache_dir, checkpoint.config.eos_token_ids)
-            service = cls(config, model, tokenizer, path)
-            service.grammars.prepare()  # here, not in the first constrained request on the event loop
+            tokenizer, grammars = text.result()
+            service = cls(config, model, tokenizer, path, grammars)
         keep_freed_buffers()
         return service
 

@@ -364,6 +364,28 @@ def test_q4_0_blocks_pack_without_mins_and_multiply_as_with_them():
             assert torch.equal(mine, kernels.quant_linear(x[:rows], *stored, None, out))
 
 
+def packed_by_definition(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """quant_linear's layout of ``q`` (see linear_quant.cpp), written with tensor permutes."""
+    n, k = q.shape
+    if bits == 8:
+        return q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    q6 = q.view(n // 16, 16, k // 32, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # [N/16, K/32, half, load, 16, 4]
+    packed = (q6[:, :, 0] & 0x0F) | ((q6[:, :, 1] & 0x0F) << 4)
+    if bits == 6:  # each high-bit load: the 2 high bits of loads 2i, 2i + 1, low half then high
+        high = (q6 >> 4).reshape(n // 16, k // 32, 2, 2, 2, 16, 4)  # [.., half, i, load of the pair, 16, 4]
+        fields = [high[:, :, half, :, pair] << (2 * (2 * pair + half)) for pair in (0, 1) for half in (0, 1)]
+        packed = torch.cat([packed, fields[0] | fields[1] | fields[2] | fields[3]], 2)
+    return packed.contiguous()
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_weights_pack_into_the_kernels_layout(bits):
+    q = torch.randint(0, 2**bits, (48, 256), dtype=torch.uint8)
+    assert torch.equal(torch.ops.fiberserve.quant_pack_q(q, bits), packed_by_definition(q, bits))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.fiberserve.quant_pack_q(q[:40], bits)
+
+
 def exact_weights(blocks: QuantBlocks) -> torch.Tensor:
     """``scale * q + min`` in float64."""
     n, k = blocks.shape

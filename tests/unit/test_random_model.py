@@ -45,6 +45,9 @@ def test_a_written_model_loads_tokenizes_and_runs_in_its_own_blocks(tmp_path, mo
     assert all(kinds[n] == tensor_format(n, SMALL.layers, file_format, True) for n in kinds if "norm" not in n)
     assert {kinds[n] for n in kinds if "norm" in n} == {"F32"}
     assert len(file.fields["tokenizer.ggml.tokens"]) == SMALL.vocab == file.fields["llama.vocab_size"]
+    source = GgufFile(model_path).fields
+    for key in ("tokenizer.ggml.add_space_prefix", "tokenizer.ggml.add_bos_token", "tokenizer.ggml.eos_token_id"):
+        assert type(file.fields[key]) is type(source[key]) and file.fields[key] == source[key]  # llama.cpp checks types
     # the embedded model's tokenizer, unchanged for its own tokens
     theirs, ours = load_tokenizer(model_path, cache_dir), load_tokenizer(path, cache_dir)
     text = "The capital of France is Paris."

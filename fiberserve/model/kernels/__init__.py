@@ -43,6 +43,7 @@ _SOURCES = [
         "elementwise.cpp",
         "linear_bf16.cpp",
         "linear_quant.cpp",
+        "quant_pack.cpp",
         "top_k.cpp",
         "decoder_layers.cpp",
     )
@@ -247,15 +248,7 @@ def quant_pack(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.T
       have a zero), one per block or per half block; any other 4 bits likewise with float32 scales and mins."""
     q, group = blocks.q, blocks.group
     n, k = q.shape
-    if blocks.bits in (4, 6):
-        q6 = q.view(n // 16, 16, k // 32, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # [N/16, K/32, half, load, 16, 4]
-        packed = ((q6[:, :, 0] & 0x0F) | ((q6[:, :, 1] & 0x0F) << 4)).contiguous()
-        if blocks.bits == 6:  # each high-bit load: the 2 high bits of loads 2i, 2i + 1, low half then high
-            high = (q6 >> 4).view(n // 16, k // 32, 2, 2, 2, 16, 4)  # [.., half, i, load of the pair, 16, 4]
-            fields = [high[:, :, half, :, pair] << (2 * (2 * pair + half)) for pair in (0, 1) for half in (0, 1)]
-            packed = torch.cat([packed, fields[0] | fields[1] | fields[2] | fields[3]], 2).contiguous()
-    else:
-        packed = q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()  # [N/16, K/4, 16, 4]
+    packed = torch.ops.fiberserve.quant_pack_q(q, blocks.bits)
     empty = torch.empty(0, dtype=torch.half)
     if blocks.supers is not None:
         own = blocks.supers

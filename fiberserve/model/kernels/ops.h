@@ -42,6 +42,9 @@ bool quant_gemm_available();
 
 // gated: the weight's rows interleave gate and up outputs (groups of 32: 16 gate, then the matching 16 up); the
 // result is silu(gate) * up, half as wide.
+// q uint8 [N, K] (values below 2^bits, bits 4, 6 or 8) in quant_linear's packed layout (quant_pack.cpp).
+at::Tensor quant_pack_q(const at::Tensor& q, int64_t bits);
+
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
                      const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool gated);
 
