@@ -26,12 +26,23 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 
-from fiberserve.model.block_formats import IQ4_NL_VALUES, NATIVE_BITS
+from fiberserve.model.block_formats import NATIVE_BITS
 
 #: Input features per block (llama.cpp's block size).
 QUANT_GROUP = 32
-#: Rows a GGUF tensor is unpacked in at once (:meth:`QuantBlocks.from_gguf`).
-ROWS_AT_ONCE = 4096
+#: Each format's ``zero`` (where w = scale * (q - zero)) and inputs per scale, as :meth:`QuantBlocks.from_gguf`
+#: unpacks it: Q5_0's q is stored as q + 112 and IQ4_NL's as its table value + 128, so both are signed bytes.
+_ZEROS_AND_GROUPS = {
+    "Q4_0": (8, QUANT_GROUP),
+    "Q4_1": (None, QUANT_GROUP),
+    "Q5_0": (128, QUANT_GROUP),
+    "Q5_1": (None, QUANT_GROUP),
+    "Q8_0": (128, QUANT_GROUP),
+    "IQ4_NL": (128, QUANT_GROUP),
+    "Q4_K": (None, QUANT_GROUP),
+    "Q5_K": (None, QUANT_GROUP),
+    "Q6_K": (32, 16),
+}
 
 
 @dataclass
@@ -97,67 +108,20 @@ class QuantBlocks:
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, type_name: str) -> QuantBlocks:
-        """The blocks of a GGUF tensor of a :data:`NATIVE_BITS` format; ``raw`` uint8 [N, bytes per row].  Read
-        :data:`ROWS_AT_ONCE` rows at a time into the whole, so the unpacking's temporaries stay small."""
+        """The blocks of a GGUF tensor of a :data:`NATIVE_BITS` format; ``raw`` uint8 [N, bytes per row], unpacked
+        by the extension in one pass (``gguf_blocks.cpp``)."""
+        from fiberserve.model import kernels
+
         if type_name not in NATIVE_BITS:
             raise ValueError(f"{type_name} is not served in its own blocks")
-        n = raw.shape[0]
-        first = cls._from_gguf_rows(raw[:ROWS_AT_ONCE], type_name)
-        if n <= ROWS_AT_ONCE:
-            return first
-        whole = first.with_tensors({name: t.new_empty((n, *t.shape[1:])) for name, t in first.tensors().items()})
-        into = whole.tensors()
-        for start in range(0, n, ROWS_AT_ONCE):
-            part = first if start == 0 else cls._from_gguf_rows(raw[start : start + ROWS_AT_ONCE], type_name)
-            for name, t in part.tensors().items():
-                into[name][start : start + len(t)] = t
-        return whole
-
-    @classmethod
-    def _from_gguf_rows(cls, raw: np.ndarray, type_name: str) -> QuantBlocks:
-        import gguf
-
-        n = raw.shape[0]
-        _, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
-        blocks = np.ascontiguousarray(raw).reshape(n, -1, block_bytes)
-        if type_name.endswith("_K"):
-            return _k_blocks(blocks, type_name)
-        d = _halves(blocks, 0)
-        if type_name == "Q8_0":
-            q = blocks[..., 2:].view(np.int8).astype(np.int16) + 128
-            return cls._of(q, d, -128 * d, 8, 128)
-        if type_name == "Q4_1":
-            return cls._of(_nibbles(blocks[..., 4:]), d, _halves(blocks, 2), 4, None)
-        if type_name == "Q4_0":
-            return cls._of(_nibbles(blocks[..., 2:]), d, -8 * d, 4, 8)
-        if type_name == "IQ4_NL":
-            return cls._of(IQ4_NL_VALUES[_nibbles(blocks[..., 2:])] + 128, d, -128 * d, 8, 128)
-        if type_name == "Q5_1":
-            return cls._of(_fifth_bits(blocks[..., 4:8], _nibbles(blocks[..., 8:])), d, _halves(blocks, 2), 8, None)
-        q = _fifth_bits(blocks[..., 2:6], _nibbles(blocks[..., 6:]))  # Q5_0
-        return cls._of(q + 112, d, -128 * d, 8, 128)  # d * (q - 16) == d * ((q + 112) - 128)
-
-    @classmethod
-    def _of(
-        cls,
-        q: np.ndarray,
-        d: np.ndarray,
-        m: np.ndarray,
-        bits: int,
-        zero: int | None,
-        group: int = QUANT_GROUP,
-        float32_scales: bool = False,
-    ) -> QuantBlocks:
-        n = q.shape[0]
-        return cls(
-            torch.from_numpy(q.astype(np.uint8, copy=False).reshape(n, -1)),
-            torch.from_numpy(np.ascontiguousarray(d.reshape(n, -1).astype(np.float32))),
-            torch.from_numpy(np.ascontiguousarray(m.reshape(n, -1).astype(np.float32))),
-            bits,
-            zero,
-            group,
-            float32_scales,
-        )
+        q, scale, low, d, steps, dmin, min_steps = kernels.unpack_gguf_blocks(raw, type_name)
+        zero, group = _ZEROS_AND_GROUPS[type_name]
+        blocks = cls(q, scale, low, NATIVE_BITS[type_name], zero, group, float32_scales=type_name.endswith("_K"))
+        if not type_name.endswith("_K"):
+            return blocks
+        if dmin.numel() == 0:  # Q6_K
+            return replace(blocks, supers=SuperScales(d, steps))
+        return replace(blocks, supers=SuperScales(d, steps, dmin, min_steps))
 
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix, computed as llama.cpp computes it for the format."""
@@ -232,64 +196,3 @@ class QuantBlocks:
     def cat(parts: list[QuantBlocks]) -> QuantBlocks:
         """The rows of ``parts`` one after another, in one format (see :meth:`alike`)."""
         return QuantBlocks.combine(QuantBlocks.alike(parts), torch.cat)
-
-
-def _nibbles(packed: np.ndarray) -> np.ndarray:
-    """llama.cpp's 16 bytes of a 4-bit block as its 32 values: low nibbles are elements 0..15, high 16..31, written
-    straight into one array."""
-    half = packed.shape[-1]
-    values = np.empty((*packed.shape[:-1], 2 * half), dtype=np.uint8)
-    np.bitwise_and(packed, 0x0F, out=values[..., :half])
-    np.right_shift(packed, 4, out=values[..., half:])
-    return values
-
-
-def _halves(blocks: np.ndarray, offset: int) -> np.ndarray:
-    """The float16 at byte ``offset`` of every block, as float32 [N, blocks]."""
-    return blocks[..., offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
-
-
-def _fifth_bits(high: np.ndarray, low: np.ndarray) -> np.ndarray:
-    """Q5_0's and Q5_1's 5-bit q: bit j of the block's 32-bit ``high`` word is element j's fifth bit."""
-    bits = high.copy().view(np.uint32)
-    fifth = (bits >> np.arange(QUANT_GROUP, dtype=np.uint32)) & 1
-    return low.astype(np.int16) | (fifth.astype(np.int16) << 4)
-
-
-def _k_blocks(blocks: np.ndarray, type_name: str) -> QuantBlocks:
-    """Q4_K, Q5_K and Q6_K super-blocks of 256 inputs [N, super-blocks, bytes] as :class:`QuantBlocks`."""
-    n, supers = blocks.shape[:2]
-    if type_name == "Q6_K":  # ql[128], qh[64], int8 scales[16], float16 d
-        low_bytes = blocks[..., :128].reshape(n, supers, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8)[:, None]
-        low = (low_bytes & 0x0F).reshape(n, supers, 8, 32)  # each 128 inputs: ql[0:64] low nibbles, then high
-        shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
-        high = ((blocks[..., 128:192].reshape(n, supers, 2, 1, 32) >> shifts) & 0x03).reshape(n, supers, 8, 32)
-        steps = blocks[..., 192:208].view(np.int8)
-        d = _halves(blocks, 208)[..., None] * steps.astype(np.float32)
-        own = SuperScales(_float16s(blocks, 208), torch.from_numpy(steps.reshape(n, -1).copy()))
-        q = low | (high << 4)
-        return replace(QuantBlocks._of(q, d, -32 * d, 6, 32, group=16, float32_scales=True), supers=own)
-    d, dmin = _halves(blocks, 0)[..., None], _halves(blocks, 2)[..., None]
-    packed = blocks[..., 4:16].reshape(n, supers, 3, 4)  # the 6-bit scales and mins of 8 blocks
-    first, second, rest = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
-    scales = np.concatenate([first & 0x3F, (rest & 0x0F) | ((first >> 2) & 0x30)], -1)
-    mins = np.concatenate([second & 0x3F, (rest >> 4) | ((second >> 2) & 0x30)], -1)
-    quants = blocks[..., -128:].reshape(n, supers, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8)[:, None]
-    q = (quants & 0x0F).reshape(n, supers, 8, 32)  # each 32 bytes: two blocks' nibbles
-    if type_name == "Q5_K":  # qh[32]: bit j of byte l is the fifth bit of element l of block j
-        fifth = (blocks[..., 16:48].reshape(n, supers, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1
-        q |= fifth << 4
-    bits = 4 if type_name == "Q4_K" else 8
-    own = SuperScales(
-        _float16s(blocks, 0),
-        torch.from_numpy(scales.astype(np.int8).reshape(n, -1)),
-        _float16s(blocks, 2),
-        torch.from_numpy((-mins.astype(np.int8)).reshape(n, -1)),
-    )
-    d, m = d * scales.astype(np.float32), -(dmin * mins.astype(np.float32))
-    return replace(QuantBlocks._of(q, d, m, bits, None, float32_scales=True), supers=own)
-
-
-def _float16s(blocks: np.ndarray, offset: int) -> torch.Tensor:
-    """The float16 at byte ``offset`` of every block, float16 [N, blocks]."""
-    return torch.from_numpy(blocks[..., offset : offset + 2].copy().view(np.float16)[..., 0])

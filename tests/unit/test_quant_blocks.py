@@ -12,7 +12,7 @@ import torch
 from gguf.quants import dequantize
 
 from fiberserve.bench.block_quantizers import quantize_blocks
-from fiberserve.model import LlamaModel, kernels, load_checkpoint, quant_blocks
+from fiberserve.model import LlamaModel, kernels, load_checkpoint
 from fiberserve.model.block_formats import NATIVE_BITS
 from fiberserve.model.linear import QuantLinear, quant_kernel_available
 from fiberserve.model.quant_blocks import QUANT_GROUP, QuantBlocks
@@ -85,15 +85,6 @@ def test_k_formats_multiply_in_their_own_factors_with_the_bits_of_their_float32_
             assert torch.equal(
                 kernels.quant_linear(x[:rows], *own, None, out), kernels.quant_linear(x[:rows], *wide, None, out)
             )
-
-
-def test_large_tensors_are_read_a_few_rows_at_a_time_into_the_same_blocks(monkeypatch):
-    raw = file_tensor("Q4_K", rows=48)
-    whole = QuantBlocks.from_gguf(raw, "Q4_K")
-    monkeypatch.setattr(quant_blocks, "ROWS_AT_ONCE", 20)
-    pieces = QuantBlocks.from_gguf(raw, "Q4_K")
-    assert whole.tensors().keys() == pieces.tensors().keys()
-    assert all(torch.equal(t, pieces.tensors()[name]) for name, t in whole.tensors().items())
 
 
 def test_blocks_of_different_formats_stack_into_one_holding_each_ones_weights():

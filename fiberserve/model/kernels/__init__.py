@@ -27,10 +27,13 @@ import hashlib
 import os
 import subprocess
 import threading
+import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from fiberserve.model.block_formats import IQ4_NL_VALUES
 from fiberserve.model.config import ModelConfig
 from fiberserve.model.quant_blocks import QuantBlocks
 
@@ -44,6 +47,7 @@ _SOURCES = [
         "linear_bf16.cpp",
         "linear_quant.cpp",
         "quant_pack.cpp",
+        "gguf_blocks.cpp",
         "top_k.cpp",
         "decoder_layers.cpp",
     )
@@ -231,6 +235,18 @@ def bf16_linear(
 def quant_gemm_available() -> bool:
     """Whether :func:`quant_linear` was built (the compiler targets AVX512-VNNI, i.e. this CPU has it)."""
     return bool(torch.ops.fiberserve.quant_gemm_available())
+
+
+def unpack_gguf_blocks(raw: np.ndarray, type_name: str) -> list[torch.Tensor]:
+    """A GGUF tensor's blocks (``raw`` uint8 [N, bytes per row], a view of the file) unpacked in one pass: q uint8
+    [N, K], scale and min float32 [N, groups], and for the K formats their float16 d, int8 steps, float16 dmin and
+    int8 negated min steps (empty tensors where the format has none)."""
+    load()
+    with warnings.catch_warnings():  # the file's mapping is read-only, and the kernel only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        blocks = torch.from_numpy(raw)
+    table = torch.from_numpy(IQ4_NL_VALUES.astype(np.int8)) if type_name == "IQ4_NL" else None
+    return torch.ops.fiberserve.unpack_gguf_blocks(blocks, type_name, table)
 
 
 def quant_pack(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@
 #include <ATen/core/List.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -42,6 +43,12 @@ bool quant_gemm_available();
 
 // gated: the weight's rows interleave gate and up outputs (groups of 32: 16 gate, then the matching 16 up); the
 // result is silu(gate) * up, half as wide.
+// A GGUF tensor's blocks, raw uint8 [N, bytes per row] of format `type` (table: IQ4_NL's 16 values), unpacked:
+// q uint8 [N, K], scale and min float32 [N, groups], and the K formats' float16 d [N, K / 256], int8 steps
+// [N, groups], float16 dmin, int8 negated min steps (empty where the format has none) (gguf_blocks.cpp).
+std::vector<at::Tensor> unpack_gguf_blocks(const at::Tensor& raw, const std::string& type,
+                                           const std::optional<at::Tensor>& table);
+
 // q uint8 [N, K] (values below 2^bits, bits 4, 6 or 8) in quant_linear's packed layout (quant_pack.cpp).
 at::Tensor quant_pack_q(const at::Tensor& q, int64_t bits);
 
