@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 import mmap
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,6 +71,8 @@ KEY_BUCKET = 64
 MIN_QUERY_ROWS = {torch.float32: 8}
 #: How many of the top bf16 logits of a row are recomputed exactly (see ``_refine_top``).
 REFINED_LOGITS = 16
+#: Decoder layers built at once when a model loads (threads: their unpacking and packing run without the GIL).
+LAYERS_AT_ONCE = 2
 
 
 @dataclass
@@ -396,11 +399,15 @@ class LlamaModel:
         self.fused = self.kernel_attention and config.plain_layers
         if self.kernel_attention:
             kernels.load()
-        # Layer by layer from the checkpoint's file: only one tensor's float32 copy exists at a time.
-        self.layers = [
-            _Layer(w, i, config, dtype, self.device, quantization, self.fused)
-            for i in tqdm(range(config.num_layers), desc="loading layers", unit="layer", disable=not progress)
-        ]
+        # Layer by layer from the checkpoint's file, LAYERS_AT_ONCE at a time: the unpacking and packing kernels
+        # run without the GIL, and only those layers' temporaries exist at once.
+        with ThreadPoolExecutor(LAYERS_AT_ONCE, thread_name_prefix="fiberserve-load") as pool:
+            built = pool.map(
+                lambda i: _Layer(w, i, config, dtype, self.device, quantization, self.fused), range(config.num_layers)
+            )
+            self.layers = list(
+                tqdm(built, total=config.num_layers, desc="loading layers", unit="layer", disable=not progress)
+            )
         linears = [self.logits] + [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self.min_rows = max(x.min_rows for x in linears)
         inv_freq = _rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, checkpoint.rope_freq_factors)
