@@ -123,7 +123,8 @@ def _write_out(w) -> None:
 
 
 def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], qtype=None) -> Path:
-    """A GGUF file as llama.cpp's converter writes it; 2-D weights quantized to ``qtype`` if given."""
+    """A GGUF file as llama.cpp's converter writes it; 2-D weights quantized to ``qtype`` if given (a type, or a
+    function of the tensor's GGUF name giving one)."""
     from fiberserve.bench.block_quantizers import quantize_blocks
 
     H, KVH = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -133,8 +134,9 @@ def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], qtype=No
 
     def put(name: str, value: np.ndarray) -> None:
         value = np.ascontiguousarray(value, dtype=np.float32)
-        if qtype is not None and value.ndim == 2:
-            w.add_tensor(name, quantize_blocks(value, qtype.name), raw_dtype=qtype)
+        kind = qtype(name) if callable(qtype) else qtype
+        if kind is not None and value.ndim == 2:
+            w.add_tensor(name, quantize_blocks(value, kind.name), raw_dtype=kind)
         else:
             w.add_tensor(name, value)
 

@@ -177,6 +177,32 @@ class QuantLinear:
         return y if self.bias is None else y + self.bias
 
 
+class StackedLinear:
+    """Products of consecutive output rows side by side: a qkv whose parts the file stores in different block
+    formats, each multiplied in its own rather than all widened to one that holds every part (bytes with float32
+    scales and mins)."""
+
+    def __init__(self, parts: list[Linear | QuantLinear]) -> None:
+        self.parts = parts
+        self.min_rows = max(p.min_rows for p in parts)
+
+    def kernel_parts(self) -> list[KernelTensors] | None:
+        """Each product's tensors for :func:`.kernels.decoder_layers`, else None."""
+        tensors = [p.kernel_tensors() for p in self.parts]
+        return None if any(t is None for t in tensors) else tensors  # type: ignore[return-value]
+
+    def __call__(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
+        return torch.cat([p(x, wide) for p in self.parts], -1)
+
+
+def kernel_parts(linear: Linear | QuantLinear | GateUp | StackedLinear) -> list[KernelTensors] | None:
+    """A linear layer's products' tensors for :func:`.kernels.decoder_layers` (one, or a stack's), else None."""
+    if isinstance(linear, StackedLinear):
+        return linear.kernel_parts()
+    tensors = linear.kernel_tensors()
+    return None if tensors is None else [tensors]
+
+
 def quant_kernel_available() -> bool:
     """Whether :func:`.kernels.quant_linear` is built here (the CPU has AVX512-VNNI or AVX2)."""
     kernels.load()

@@ -58,7 +58,15 @@ from tqdm import tqdm
 from fiberserve.model import kernels
 from fiberserve.model.config import ModelConfig
 from fiberserve.model.file_rows import FileRows
-from fiberserve.model.linear import GateUp, Linear, QuantLinear, make_linear, quant_kernel_available
+from fiberserve.model.linear import (
+    GateUp,
+    Linear,
+    QuantLinear,
+    StackedLinear,
+    kernel_parts,
+    make_linear,
+    quant_kernel_available,
+)
 from fiberserve.model.loader import Checkpoint, LazyWeights
 from fiberserve.model.quant_blocks import QuantBlocks
 from fiberserve.model.small_tensors import tensor_of
@@ -326,19 +334,35 @@ class _Layer:
         qkv_bias = None
         if config.attention_bias:
             qkv_bias = torch.cat([get(f"self_attn.{x}_proj.bias") for x in "qkv"])
-        self.qkv = linear(_stack([matrix(f"self_attn.{x}_proj.weight") for x in "qkv"]), qkv_bias)
+        stacked = _stack([matrix(f"self_attn.{x}_proj.weight") for x in "qkv"])
+        if isinstance(stacked, list):  # parts in different block formats: a product each
+            biases = [None] * len(stacked) if qkv_bias is None else list(qkv_bias.split([b.shape[0] for b in stacked]))
+            self.qkv: Linear | QuantLinear | StackedLinear = StackedLinear(
+                [linear(b, bias) for b, bias in zip(stacked, biases, strict=True)]
+            )
+        else:
+            self.qkv = linear(stacked, qkv_bias)
         self.o = linear(matrix("self_attn.o_proj.weight"))
         gate, up = matrix("mlp.gate_proj.weight"), matrix("mlp.up_proj.weight")
         self.gate_up = GateUp(gate, up, quantization, dtype, silu_kernel=fused, gelu=config.hidden_act == "gelu_tanh")
         self.down = linear(matrix("mlp.down_proj.weight"))
 
 
-def _stack(parts: list[torch.Tensor | QuantBlocks]) -> torch.Tensor | QuantBlocks:
-    """The rows of ``parts`` one after another: blocks where all are blocks (in one format), else floats."""
+def _stack(parts: list[torch.Tensor | QuantBlocks]) -> torch.Tensor | QuantBlocks | list[QuantBlocks]:
+    """The rows of ``parts`` one after another: blocks where all are blocks in one format (where the kernel runs
+    them), a list of blocks of consecutive parts alike where their formats differ, else floats."""
     blocks = [p for p in parts if isinstance(p, QuantBlocks)]
-    if len(blocks) == len(parts):
+    if len(blocks) < len(parts):
+        return torch.cat([p.dequantize() if isinstance(p, QuantBlocks) else p for p in parts])
+    runs: list[list[QuantBlocks]] = []
+    for b in blocks:
+        if runs and runs[-1][0].same_format(b):
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    if len(runs) == 1 or not quant_kernel_available():
         return QuantBlocks.cat(blocks)
-    return torch.cat([p.dequantize() if isinstance(p, QuantBlocks) else p for p in parts])
+    return [QuantBlocks.cat(run) for run in runs]
 
 
 def _norm_if(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -431,22 +455,25 @@ class LlamaModel:
         angles = torch.outer(positions, inv_freq.to(self.device))
         return angles.cos().repeat(1, 2), torch.cat([-angles.sin(), angles.sin()], dim=1)
 
-    def _native_layer_tensors(self) -> tuple[list, list, list, list, list] | None:
+    def _native_layer_tensors(self) -> tuple[list, list, list, list, list, list] | None:
         norms: list[torch.Tensor] = []
         weights: list[torch.Tensor] = []
         scales: list[torch.Tensor | None] = []
         mins: list[torch.Tensor | None] = []
         biases: list[torch.Tensor | None] = []
+        parts: list[int] = []
         into_lists: tuple[list, ...] = (weights, scales, mins, biases)
         for layer in self.layers:
             norms += [layer.attn_norm, layer.mlp_norm]
             for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                tensors = linear.kernel_tensors()
-                if tensors is None:
+                products = kernel_parts(linear)
+                if products is None:
                     return None
-                for into, tensor in zip(into_lists, tensors, strict=True):
-                    into.append(tensor)
-        return norms, weights, scales, mins, biases
+                parts.append(len(products))
+                for tensors in products:
+                    for into, tensor in zip(into_lists, tensors, strict=True):
+                        into.append(tensor)
+        return norms, weights, scales, mins, biases, parts
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate-half RoPE in float32, result in the model dtype; x: [T, heads, D], cos/sin: [T, 1, D].

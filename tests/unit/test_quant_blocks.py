@@ -148,6 +148,33 @@ def test_a_file_in_a_served_format_runs_in_its_own_blocks(tmp_path, kind):
     assert (logits_of(model, tokens) - exact).abs().max() < 0.2
 
 
+@pytest.mark.skipif(not quant_kernel_available(), reason="the extension's kernel needs AVX512-VNNI or AVX2")
+def test_a_qkv_of_two_formats_runs_each_part_in_its_own(tmp_path):
+    """Q4_K_M files keep some layers' v in Q6_K beside Q4_K q and k: those qkv run as two products, each in its
+    file's format (not widened to bytes with float32 scales and mins); the C++ layer loop gives the Python loop's
+    logits bit for bit, and both are close to the file's weights in float32."""
+    from fiberserve.model.linear import StackedLinear
+    from tests.unit.test_model_math import logits_of
+
+    cfg = {**TINY, "hidden_size": 256, "intermediate_size": 512}
+
+    def kind(name: str) -> gguf.GGMLQuantizationType:
+        return gguf.GGMLQuantizationType.Q6_K if name.endswith("attn_v.weight") else gguf.GGMLQuantizationType.Q4_K
+
+    path = write_gguf(tmp_path / "m.gguf", cfg, random_weights(cfg, seed=3), qtype=kind)
+    model = LlamaModel(load_checkpoint(path), torch.bfloat16, quantization="int4")
+    qkv = model.layers[0].qkv
+    assert isinstance(qkv, StackedLinear) and [p.weight.dim() for p in qkv.parts] == [5, 5]  # 4-bit and 6-bit
+    assert [p.scales.dtype for p in qkv.parts] == [torch.int8, torch.int8]
+    assert model.native_layers is not None and model.native_layers[-1][0] == 2
+    tokens = [5, 17, 200, 3, 99, 42, 7]
+    native = logits_of(model, tokens)
+    model.native_layers = None
+    assert torch.equal(native, logits_of(model, tokens))
+    exact = logits_of(LlamaModel(load_checkpoint(path)), tokens)
+    assert (native - exact).abs().max() < 0.2
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_int4_reads_embedding_and_head_rows_from_the_file_with_the_same_bits(tmp_path, tied):
     """No copy of the embedding or the head in memory: their rows are dequantized from the file's blocks when

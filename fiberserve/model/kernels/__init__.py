@@ -388,7 +388,7 @@ def decoder_layers(
     heads: int,
     eps: float,
     dtype: torch.dtype,
-    layers: tuple[list, list, list, list, list],
+    layers: tuple[list, list, list, list, list, list],
 ) -> None:
     """Every decoder layer on the float32 residual ``h`` [T, W], in place, writing K/V into ``k_cache``/``v_cache``
     [layers, slots, KVH, D]: per layer ``add_rms_norm``, qkv, ``rope_store``, ``paged_attention``, o,
@@ -397,8 +397,9 @@ def decoder_layers(
     into cache as its tiles run (``simd/prefetch.h``), so that layer's attention does not wait for memory.
 
     ``attention``: (pages, row_span, row_keys, page_size, scale) as for :func:`paged_attention`.  ``layers``:
-    flat lists (norms: 2 per layer; weights, scales, mins, biases: 4 per layer, in the order qkv, o, gate/up,
-    down; gate/up's rows interleaved, see :func:`interleave_gate_up`); a product with scales runs
+    flat lists (norms: 2 per layer; weights, scales, mins, biases: the products of 4 linear layers per layer, in
+    the order qkv, o, gate/up, down; gate/up's rows interleaved, see :func:`interleave_gate_up`) and the number
+    of products of each linear layer (several: their outputs side by side); a product with scales runs
     :func:`quant_linear`, one without :func:`bf16_linear`.
     """
     tables = (*attention, heads, eps, dtype)  # pages, row_span, row_keys, page_size, scale, ...

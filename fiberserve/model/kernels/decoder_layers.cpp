@@ -3,8 +3,9 @@
 // attention, o product, add + RMSNorm, gate/up product with SiLU x up in its epilogue (gated: the gate/up weights'
 // rows are interleaved, see GateUp in linear.py), down product (8 kernels; 240 for 30 layers).
 //
-// Each linear layer is one of the two kernels of this extension: quant_linear when its scales are given (weights in
-// blocks, see linear_quant.cpp), bf16_linear otherwise.  The o and down products return float32, added to the float32 residual
+// Each linear layer is one or more products of the two kernels of this extension, their outputs side by side (a qkv
+// whose parts the file stores in different block formats: each in its own): quant_linear where scales are given
+// (weights in blocks, see linear_quant.cpp), bf16_linear otherwise.  The o and down products return float32, added to the float32 residual
 // unrounded, exactly as the Python loop does (so both loops give the same bits).
 
 #include <ATen/ATen.h>
@@ -17,19 +18,30 @@
 namespace fiberserve {
 namespace {
 
-// Linear layer `index` of the flat lists: weight, its optional block scales and mins, optional bias.
+// The linear layers' products, in flat lists (weight, its optional block scales and mins, optional bias), and
+// where each linear layer's products start in them (`first`, one more entry than linear layers).
 struct Linears {
   const std::vector<at::Tensor>& weights;
   const c10::List<std::optional<at::Tensor>>& scales;
   const c10::List<std::optional<at::Tensor>>& mins;
   const c10::List<std::optional<at::Tensor>>& biases;
+  std::vector<size_t> first;
 
-  at::Tensor operator()(const at::Tensor& x, size_t index, at::ScalarType out_dtype, bool gated = false,
-                        const PrefetchPlan* prefetch = nullptr) const {
+  at::Tensor product(const at::Tensor& x, size_t index, at::ScalarType out_dtype, bool gated,
+                     const PrefetchPlan* prefetch) const {
     const std::optional<at::Tensor> scale = scales.get(index), bias = biases.get(index);
     if (scale)
       return quant_linear_prefetching(x, weights[index], *scale, *mins.get(index), bias, out_dtype, gated, prefetch);
     return bf16_linear_prefetching(x, weights[index], bias, out_dtype, gated, prefetch);
+  }
+
+  // Linear layer `slot` (4 a decoder layer): its one product, or its products' outputs side by side.
+  at::Tensor operator()(const at::Tensor& x, size_t slot, at::ScalarType out_dtype, bool gated = false,
+                        const PrefetchPlan* prefetch = nullptr) const {
+    if (first[slot + 1] == first[slot] + 1) return product(x, first[slot], out_dtype, gated, prefetch);
+    std::vector<at::Tensor> parts;
+    for (size_t i = first[slot]; i < first[slot + 1]; ++i) parts.push_back(product(x, i, out_dtype, gated, prefetch));
+    return at::cat(parts, 1);
   }
 };
 
@@ -63,14 +75,21 @@ void decoder_layers(at::Tensor& h, const at::Tensor& positions, const at::Tensor
                     int64_t heads, double eps, at::ScalarType dtype, const std::vector<at::Tensor>& norms,
                     const std::vector<at::Tensor>& weights, const c10::List<std::optional<at::Tensor>>& scales,
                     const c10::List<std::optional<at::Tensor>>& mins,
-                    const c10::List<std::optional<at::Tensor>>& biases) {
+                    const c10::List<std::optional<at::Tensor>>& biases, c10::IntArrayRef parts) {
   const size_t layers = norms.size() / 2;
-  TORCH_CHECK(norms.size() == 2 * layers && weights.size() == 4 * layers && scales.size() == weights.size() &&
+  TORCH_CHECK(norms.size() == 2 * layers && parts.size() == 4 * layers && scales.size() == weights.size() &&
                   mins.size() == weights.size() && biases.size() == weights.size(),
-              "decoder_layers: 2 norms and 4 linear layers (weight, scales, mins, bias) per layer");
+              "decoder_layers: 2 norms and 4 linear layers (each of `parts` products: weight, scales, mins, bias) "
+              "per layer");
+  std::vector<size_t> first{0};
+  for (const int64_t n : parts) {
+    TORCH_CHECK(n >= 1, "decoder_layers: a linear layer has at least one product");
+    first.push_back(first.back() + static_cast<size_t>(n));
+  }
+  TORCH_CHECK(first.back() == weights.size(), "decoder_layers: the parts must add up to the products given");
   TORCH_CHECK(k_cache.dim() == 4 && static_cast<size_t>(k_cache.size(0)) == layers && v_cache.sizes() == k_cache.sizes(),
               "decoder_layers: the cache must be [layers, slots, kv_heads, head_dim]");
-  const Linears linear{weights, scales, mins, biases};
+  const Linears linear{weights, scales, mins, biases, std::move(first)};
   std::optional<at::Tensor> delta;  // the previous layer's MLP output, added to h by the next norm
   PrefetchPlan next_kv;  // the next layer's keys and values, pulled into cache during this layer's gate/up product
   for (size_t i = 0; i < layers; ++i) {

@@ -103,6 +103,7 @@ void decoder_layers(at::Tensor& h, const at::Tensor& positions, const at::Tensor
                     const at::Tensor& row_span, const at::Tensor& row_keys, int64_t page_size, double scale,
                     int64_t heads, double eps, at::ScalarType dtype, const std::vector<at::Tensor>& norms,
                     const std::vector<at::Tensor>& weights, const c10::List<std::optional<at::Tensor>>& scales,
-                    const c10::List<std::optional<at::Tensor>>& mins, const c10::List<std::optional<at::Tensor>>& biases);
+                    const c10::List<std::optional<at::Tensor>>& mins, const c10::List<std::optional<at::Tensor>>& biases,
+                    c10::IntArrayRef parts);
 
 }  // namespace fiberserve

@@ -39,7 +39,7 @@ TORCH_LIBRARY(fiberserve, m) {
       "decoder_layers(Tensor(a!) h, Tensor positions, Tensor cos, Tensor sin, Tensor write_slots, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor pages, Tensor row_span, Tensor row_keys, int page_size, float scale, int heads, "
       "float eps, ScalarType dtype, Tensor[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] mins, "
-      "Tensor?[] biases) -> ()");
+      "Tensor?[] biases, int[] parts) -> ()");
 }
 
 // Takes no tensor, so it is registered for every dispatch key.
