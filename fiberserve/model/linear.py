@@ -19,6 +19,8 @@ paths.  Where each path's time goes: ``docs/performance.md``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +29,8 @@ from fiberserve.model.quant_blocks import QUANT_GROUP, QuantBlocks
 
 #: Fewest rows a product runs with (see module docstring).
 MIN_ROWS = 2
+#: Rows of a large matrix packed at a time (:meth:`QuantLinear.of_rows`).
+ROWS_AT_ONCE = 4096
 
 #: A product's tensors as :func:`.kernels.decoder_layers` takes them: weight, scales, mins, bias.
 KernelTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -148,6 +152,30 @@ class QuantLinear:
             self.bias = None if bias is None else bias.to(dtype)
         else:
             raise ValueError("8-bit weights need the extension's quant_linear kernel (AVX512-VNNI or AVX2)")
+
+    @classmethod
+    def of_rows(cls, read: Callable[[slice], QuantBlocks], rows: int, dtype: torch.dtype) -> QuantLinear:
+        """The product of a matrix of ``rows`` rows whose blocks ``read`` gives for a slice of its rows, packed
+        :data:`ROWS_AT_ONCE` rows at a time where the extension's kernel runs it: its blocks, a byte a weight, are
+        never whole in memory (a vocabulary's head: hundreds of MB)."""
+        layer = cls(read(slice(0, ROWS_AT_ONCE)), dtype=dtype)
+        if rows <= ROWS_AT_ONCE:
+            return layer
+        if not layer.native:
+            return cls(read(slice(None)), dtype=dtype)
+        whole = [t.new_empty((rows // 16, *t.shape[1:])) if t.numel() else t for t in layer.kernel_parts()]
+        for start in range(0, rows, ROWS_AT_ONCE):
+            part = layer if start == 0 else cls(read(slice(start, start + ROWS_AT_ONCE)), dtype=dtype)
+            for into, t in zip(whole, part.kernel_parts(), strict=True):
+                if t.numel():
+                    into[start // 16 : start // 16 + t.shape[0]] = t
+        layer.weight, layer.scales, layer.mins = whole
+        layer.out_features = rows
+        return layer
+
+    def kernel_parts(self) -> list[torch.Tensor]:
+        """The packed weights, scales and mins (native products only)."""
+        return [self.weight, self.scales, self.mins]
 
     def kernel_tensors(self) -> KernelTensors | None:
         """(weight, scales, mins, bias) for :func:`.kernels.decoder_layers` if the product runs on the

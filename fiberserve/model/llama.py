@@ -69,6 +69,7 @@ from fiberserve.model.linear import (
 )
 from fiberserve.model.loader import Checkpoint, LazyWeights
 from fiberserve.model.quant_blocks import QuantBlocks
+from fiberserve.model.rope_tables import RopeTables
 from fiberserve.model.small_tensors import tensor_of
 
 #: Key buffers are padded to a multiple of this many positions (see module docstring).
@@ -408,9 +409,12 @@ class LlamaModel:
         tied = config.tie_word_embeddings or "lm_head.weight" not in w
         head_bits = 8 if quantization != "none" and quant_kernel_available() else 4  # llama.cpp's Q8_0 output head
         head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        file_blocks = w.blocks(head_name) if quantization == "int4" else None
-        if file_blocks is not None:  # the file's own head (QuantLinear requantizes bytes where no kernel takes them)
-            self.logits = make_linear(file_blocks.map_rows(lambda t: t.to(self.device)), None, quantization, dtype)
+        head_rows = w.block_rows(head_name) if quantization == "int4" else None
+        if head_rows is not None:  # the file's own head (QuantLinear requantizes bytes where no kernel takes them)
+            shape = w.rows(head_name)
+            self.logits: Linear | QuantLinear = QuantLinear.of_rows(
+                head_rows, shape[1] if shape else config.vocab_size, dtype
+            )
         else:
             self.logits = make_linear(w[head_name].to(self.device), None, quantization, dtype, head_bits)
         self.embed = self._rows_of("model.embed_tokens.weight", w, quantization)
@@ -435,25 +439,16 @@ class LlamaModel:
         linears = [self.logits] + [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self.min_rows = max(x.min_rows for x in linears)
         inv_freq = _rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, checkpoint.rope_freq_factors)
-        self.cos, self.sin = self._rope_tables(inv_freq)
-        #: The sliding-window layers' tables where their RoPE base differs (Gemma 3), else the same.
-        self.local_cos, self.local_sin = self.cos, self.sin
+        local_inv_freq = None
         if config.rope_local_theta is not None:
-            self.local_cos, self.local_sin = self._rope_tables(
-                _rope_inv_freq(config.head_dim, config.rope_local_theta, None)
-            )
+            local_inv_freq = _rope_inv_freq(config.head_dim, config.rope_local_theta, None)
+        self.rope = RopeTables(inv_freq, local_inv_freq, config.max_position_embeddings, self.device)
         self.scale = config.attention_scale or 1.0 / math.sqrt(config.head_dim)
         self.min_query_rows = MIN_QUERY_ROWS.get(dtype, 1)
         self.eps = config.rms_norm_eps
         #: The layers' tensors for :func:`.kernels.decoder_layers` when every decoder product runs on the
         #: extension's kernels (so the whole layer loop can run in C++), else None.
         self.native_layers = self._native_layer_tensors() if self.fused else None
-
-    def _rope_tables(self, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [positions, head_dim] for rotate-half RoPE, the signs of its first half folded into sin."""
-        positions = torch.arange(self.config.max_position_embeddings, device=self.device, dtype=torch.float32)
-        angles = torch.outer(positions, inv_freq.to(self.device))
-        return angles.cos().repeat(1, 2), torch.cat([-angles.sin(), angles.sin()], dim=1)
 
     def _native_layer_tensors(self) -> tuple[list, list, list, list, list, list] | None:
         norms: list[torch.Tensor] = []
@@ -564,6 +559,7 @@ class LlamaModel:
             tokens, positions = torch.cat([tokens, pad]), torch.cat([positions, pad])
         tokens, positions = tokens.to(self.device), positions.to(self.device)
         write_slots = batch.write_slots.to(self.device)
+        self.rope.ensure(int(positions.max()) + 1)
         h = self.embed[tokens]
         if self.config.embedding_multiplier is not None:  # rounded to the model's dtype, as transformers does
             h = h * torch.tensor(self.config.embedding_multiplier, dtype=self.dtype)
@@ -574,7 +570,7 @@ class LlamaModel:
             if self.native_layers:
                 attention = (plan.pages, plan.row_span, plan.row_keys, cache.page_size, self.scale)
                 kernels.decoder_layers(
-                    h, positions, self.cos, self.sin, write_slots, cache.k, cache.v, attention,
+                    h, positions, self.rope.cos, self.rope.sin, write_slots, cache.k, cache.v, attention,
                     self.config.num_heads, self.eps, self.dtype, self.native_layers,
                 )  # fmt: skip
             else:
@@ -591,11 +587,12 @@ class LlamaModel:
         :func:`.kernels.decoder_layers` is this loop in C++, used when every product is one of the
         extension's kernels; this one also takes oneDNN's (float32) products."""
         H, eps, dtype = self.config.num_heads, self.eps, self.dtype
+        cos, sin = self.rope.cos, self.rope.sin
         delta = None  # the previous layer's MLP output, added to h by the next norm
         for index, layer in enumerate(self.layers):
             x = kernels.add_rms_norm(h, delta, layer.attn_norm, eps, dtype)
             k_cache, v_cache = cache.k[index], cache.v[index]
-            q = kernels.rope_store(layer.qkv(x), positions, self.cos, self.sin, write_slots, k_cache, v_cache, H)
+            q = kernels.rope_store(layer.qkv(x), positions, cos, sin, write_slots, k_cache, v_cache, H)
             attention = kernels.paged_attention(
                 q, k_cache, v_cache, plan.pages, plan.row_span, plan.row_keys, cache.page_size, self.scale
             )
@@ -625,10 +622,11 @@ class LlamaModel:
         cfg, dtype, eps = self.config, self.dtype, self.eps
         H, KVH, D, W = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         T, new = h.shape[0], write_slots.numel()
-        rope = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        tables = self.rope
+        rope = (tables.cos[positions].unsqueeze(1), tables.sin[positions].unsqueeze(1))
         local_rope = rope  # the sliding-window layers' own, where their RoPE base differs
-        if self.local_cos is not self.cos:
-            local_rope = (self.local_cos[positions].unsqueeze(1), self.local_sin[positions].unsqueeze(1))
+        if tables.has_local:
+            local_rope = (tables.local_cos[positions].unsqueeze(1), tables.local_sin[positions].unsqueeze(1))
         for index, layer in enumerate(self.layers):
             window = cfg.layer_window(index)
             x = F.rms_norm(h, (W,), layer.attn_norm, eps).to(dtype)

@@ -175,6 +175,25 @@ def test_a_qkv_of_two_formats_runs_each_part_in_its_own(tmp_path):
     assert (native - exact).abs().max() < 0.2
 
 
+@pytest.mark.skipif(not quant_kernel_available(), reason="the extension's kernel needs AVX512-VNNI or AVX2")
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0"])
+def test_a_large_head_is_packed_a_few_rows_at_a_time_into_the_same_tensors(tmp_path, monkeypatch, kind):
+    """The head's blocks are read and packed ROWS_AT_ONCE rows at a time (never whole as bytes), into exactly
+    the tensors packing them whole gives."""
+    from fiberserve.model import linear
+
+    cfg = {**TINY, "hidden_size": 256, "intermediate_size": 512}
+    path = write_gguf(tmp_path / "m.gguf", cfg, random_weights(cfg, seed=4), qtype=gguf.GGMLQuantizationType[kind])
+    checkpoint = load_checkpoint(path)
+    head = "model.embed_tokens.weight" if "lm_head.weight" not in checkpoint.weights else "lm_head.weight"
+    whole = kernels.quant_pack(checkpoint.weights.blocks(head))
+    monkeypatch.setattr(linear, "ROWS_AT_ONCE", 48)  # 256 rows: 5 whole pieces and a short one
+    model = LlamaModel(load_checkpoint(path), torch.bfloat16, quantization="int4")
+    assert model.logits.out_features == cfg["vocab_size"] == 256
+    for ours, theirs in zip(model.logits.kernel_parts(), whole, strict=True):
+        assert torch.equal(ours, theirs)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_int4_reads_embedding_and_head_rows_from_the_file_with_the_same_bits(tmp_path, tied):
     """No copy of the embedding or the head in memory: their rows are dequantized from the file's blocks when

@@ -142,6 +142,9 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& positions, const 
   TORCH_CHECK(positions.scalar_type() == at::kLong && write_slots.scalar_type() == at::kLong &&
                   positions.size(0) == rows && write_slots.size(0) <= rows, "rope_store: bad positions or slots");
   at::Tensor pos = positions.contiguous(), slots = write_slots.contiguous();
+  const int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(p[r] >= 0 && p[r] < cos.size(0), "rope_store: position ", p[r], " is past the cos/sin tables' ", cos.size(0));
   at::Tensor q = at::empty({rows, heads, dim}, qkv.options());
   dispatch(qkv.scalar_type(), "rope_store", [&](auto zero) {
     rope_store_rows<decltype(zero)>(qkv, pos, cos, sin, slots, k_cache, v_cache, heads, q);
