@@ -10,6 +10,7 @@ and numeric arrays are decoded as they are met, and a string array is only walke
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,8 @@ class GgufFile:
     :class:`.UnsupportedModelError` for a tensor type the installed ``gguf`` package does not know."""
 
     def __init__(self, path: str | Path) -> None:
+        self._path = path
+        self._rows_fd: int | None = None  #: opened by the first :meth:`read_rows`
         with open(path, "rb") as file:
             size = file.seek(0, 2)
             self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
@@ -83,9 +86,24 @@ class GgufFile:
         fetches them again from the page cache)."""
         if self._map is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        first = tensor.data.__array_interface__["data"][0] - self.data.__array_interface__["data"][0]
+        first = self._offset_of(tensor)
         start = first // mmap.PAGESIZE * mmap.PAGESIZE
         self._map.madvise(mmap.MADV_DONTNEED, start, first + tensor.data.nbytes - start)
+
+    def read_rows(self, tensor: GgufTensor, index: np.ndarray) -> np.ndarray:
+        """Rows ``index`` of a 2-D tensor, [len(index), row], read from the file rather than through the mapping: a
+        lookup of a few rows (an embedding's) then maps none of the file into this process, where a mapped read
+        maps the whole run of pages the kernel reads around it."""
+        out = np.empty((len(index), *tensor.data.shape[1:]), dtype=tensor.data.dtype)
+        row_bytes, first = tensor.data.strides[0], self._offset_of(tensor)
+        if self._rows_fd is None:
+            self._rows_fd = os.open(self._path, os.O_RDONLY)  # kept open with the mapping
+        for i, row in enumerate(index.tolist()):  # positioned reads: lookups on several threads need no lock
+            os.preadv(self._rows_fd, [memoryview(out[i]).cast("B")], first + row * row_bytes)
+        return out
+
+    def _offset_of(self, tensor: GgufTensor) -> int:
+        return tensor.data.__array_interface__["data"][0] - self.data.__array_interface__["data"][0]
 
     def _unpack(self, fmt: str) -> tuple:
         try:

@@ -191,8 +191,17 @@ def load_gguf(path: Path) -> Checkpoint:
         if tensor.tensor_type.name in NATIVE_BITS:
             weights.add_blocks(name, _gguf_blocks_reader(tensor, heads, release))
             if heads is None and tensor.data.ndim == 2:
-                weights.add_rows(name, functools.partial(_dequantized, tensor), *reversed(tensor.shape))
+                weights.add_rows(name, functools.partial(_file_rows, reader, tensor), *reversed(tensor.shape))
     return Checkpoint(config, _split_fused(weights, config), freq_factors, frozenset(types))
+
+
+def _file_rows(reader: Any, tensor: Any, index: np.ndarray) -> torch.Tensor:
+    """Rows ``index`` of a GGUF matrix as float32, read from the file (not through its mapping: see
+    ``GgufFile.read_rows``)."""
+    import gguf
+
+    rows = gguf.quants.dequantize(reader.read_rows(tensor, index), tensor.tensor_type)
+    return torch.from_numpy(np.asarray(rows, dtype=np.float32))
 
 
 def _dequantized(tensor: Any, rows: slice | np.ndarray = slice(None)) -> torch.Tensor:

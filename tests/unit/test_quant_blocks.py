@@ -225,3 +225,33 @@ def test_int4_reads_embedding_and_head_rows_from_the_file_with_the_same_bits(tmp
         rows = logits.shape[0]
         race = torch.linspace(0.5, 2.0, rows), torch.arange(rows) + 100 * seed
         assert model.pick(prefill_batch(seqs), model.cache, race) == whole.pick(prefill_batch(seqs), whole.cache, race)
+
+
+def mapped_kib(path) -> int:
+    """KiB of ``path`` mapped into this process's memory (its pages resident through a mapping)."""
+    total, current = 0, None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            parts = line.split()
+            if parts and "-" in parts[0] and not parts[0].endswith(":"):
+                current = parts[-1]
+            elif parts and parts[0] == "Rss:" and current == str(path):
+                total += int(parts[1])
+    return total
+
+
+def test_embedding_rows_are_read_from_the_file_without_mapping_its_pages(tmp_path):
+    """A lookup reads its rows' bytes with positioned reads: the rows gguf's view of the mapping holds, and no
+    page of the file becomes resident in this process (a read through the mapping brings the pages around it)."""
+    from fiberserve.model.gguf_file import GgufFile
+
+    cfg = {**TINY, "hidden_size": 256, "intermediate_size": 512, "vocab_size": 4096}
+    path = write_gguf(tmp_path / "m.gguf", cfg, random_weights(cfg, seed=2), qtype=gguf.GGMLQuantizationType.Q4_K)
+    file = GgufFile(path)
+    embedding = next(t for t in file.tensors if t.name == "token_embd.weight")
+    index = np.array([4095, 7, 7, 0, 1234])
+    file.release(embedding)
+    before = mapped_kib(path)
+    rows = file.read_rows(embedding, index)
+    assert mapped_kib(path) == before
+    assert np.array_equal(rows, embedding.data[index])
