@@ -175,8 +175,8 @@ def test_a_replica_killed_under_load(cluster):
     assert len(results) == 24
     failed = [(stream, replica) for stream, replica, completed in results if not completed]
     assert all(stream for stream, _ in failed), "a request that had received nothing was not retried"
-    healthy = {replica for _, replica, completed in results if completed}
-    assert not any(replica in healthy for _, replica in failed), "a request on the healthy replica failed"
+    # Every failure is on one replica, the killed one (which may have finished requests before it was killed).
+    assert len({replica for _, replica in failed}) <= 1, f"requests failed on more than one replica: {failed}"
     deadline = time.monotonic() + 120
     while (health := httpx.get(cluster.url + "/health").json())["status"] != "ok":
         assert health["status"] == "degraded" and time.monotonic() < deadline, health
