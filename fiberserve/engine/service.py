@@ -46,7 +46,7 @@ from fiberserve.model.llama import KVCache, LlamaModel
 from fiberserve.model.loader import Checkpoint, load_checkpoint
 from fiberserve.model.tokenizer import Tokenizer, load_tokenizer
 from fiberserve.runtime import FiberPool, Isolation, Program
-from fiberserve.runtime.allocator import keep_freed_buffers, return_freed_buffers
+from fiberserve.runtime.allocator import keep_freed_buffers, return_freed_buffers, trim_freed_memory
 from fiberserve.runtime.cpu_share import FreeCores
 from fiberserve.runtime.worker import hand_over_the_gil_promptly
 
@@ -311,6 +311,7 @@ class LlmService:
             model = LlamaModel(checkpoint, dtype, config.device, quantization, progress=config.progress)
             tokenizer, grammars = text.result()
             service = cls(config, model, tokenizer, path, grammars)
+        trim_freed_memory()
         keep_freed_buffers()
         return service
 

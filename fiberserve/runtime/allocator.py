@@ -16,15 +16,28 @@ LOADING_THRESHOLD = 1 << 20
 
 
 def _mallopt(mmap_threshold: int, trim_threshold: int) -> bool:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+
+
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
+def trim_freed_memory() -> bool:
+    """Return the heaps' free memory to the system now (glibc's ``malloc_trim``; False elsewhere): what a load's
+    small temporaries leave in the heaps of the threads that made them, which the thresholds above do not."""
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None)
+    return bool(trim(0)) if trim is not None else False
 
 
 def return_freed_buffers() -> bool:
