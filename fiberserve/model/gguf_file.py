@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,8 +97,9 @@ class GgufFile:
         maps the whole run of pages the kernel reads around it."""
         out = np.empty((len(index), *tensor.data.shape[1:]), dtype=tensor.data.dtype)
         row_bytes, first = tensor.data.strides[0], self._offset_of(tensor)
-        if self._rows_fd is None:
-            self._rows_fd = os.open(self._path, os.O_RDONLY)  # kept open with the mapping
+        if self._rows_fd is None:  # open while this file is, closed with it
+            self._rows_fd = os.open(self._path, os.O_RDONLY)
+            weakref.finalize(self, os.close, self._rows_fd)
         for i, row in enumerate(index.tolist()):  # positioned reads: lookups on several threads need no lock
             os.preadv(self._rows_fd, [memoryview(out[i]).cast("B")], first + row * row_bytes)
         return out

@@ -163,17 +163,17 @@ class QuantLinear:
             return layer
         if not layer.native:
             return cls(read(slice(None)), dtype=dtype)
-        whole = [t.new_empty((rows // 16, *t.shape[1:])) if t.numel() else t for t in layer.kernel_parts()]
+        whole = [t.new_empty((rows // 16, *t.shape[1:])) if t.numel() else t for t in layer.packed_tensors()]
         for start in range(0, rows, ROWS_AT_ONCE):
             part = layer if start == 0 else cls(read(slice(start, start + ROWS_AT_ONCE)), dtype=dtype)
-            for into, t in zip(whole, part.kernel_parts(), strict=True):
+            for into, t in zip(whole, part.packed_tensors(), strict=True):
                 if t.numel():
                     into[start // 16 : start // 16 + t.shape[0]] = t
         layer.weight, layer.scales, layer.mins = whole
         layer.out_features = rows
         return layer
 
-    def kernel_parts(self) -> list[torch.Tensor]:
+    def packed_tensors(self) -> list[torch.Tensor]:
         """The packed weights, scales and mins (native products only)."""
         return [self.weight, self.scales, self.mins]
 

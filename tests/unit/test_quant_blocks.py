@@ -190,7 +190,7 @@ def test_a_large_head_is_packed_a_few_rows_at_a_time_into_the_same_tensors(tmp_p
     monkeypatch.setattr(linear, "ROWS_AT_ONCE", 48)  # 256 rows: 5 whole pieces and a short one
     model = LlamaModel(load_checkpoint(path), torch.bfloat16, quantization="int4")
     assert model.logits.out_features == cfg["vocab_size"] == 256
-    for ours, theirs in zip(model.logits.kernel_parts(), whole, strict=True):
+    for ours, theirs in zip(model.logits.packed_tensors(), whole, strict=True):
         assert torch.equal(ours, theirs)
 
 
@@ -255,3 +255,19 @@ def test_embedding_rows_are_read_from_the_file_without_mapping_its_pages(tmp_pat
     rows = file.read_rows(embedding, index)
     assert mapped_kib(path) == before
     assert np.array_equal(rows, embedding.data[index])
+
+
+def test_the_row_reads_file_is_closed_with_the_gguf_file(tmp_path):
+    import gc
+    import os
+
+    from fiberserve.model.gguf_file import GgufFile
+
+    path = write_gguf(tmp_path / "m.gguf", TINY, random_weights(TINY, seed=1), qtype=gguf.GGMLQuantizationType.Q8_0)
+    open_files = len(os.listdir("/proc/self/fd"))
+    file = GgufFile(path)
+    embedding = next(t for t in file.tensors if t.name == "token_embd.weight")
+    file.read_rows(embedding, np.array([1, 2]))
+    del file, embedding
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == open_files

@@ -35,7 +35,7 @@ struct Linears {
     return bf16_linear_prefetching(x, weights[index], bias, out_dtype, gated, prefetch);
   }
 
-  // Linear layer `slot` (4 a decoder layer): its one product, or its products' outputs side by side.
+  // Linear layer `slot` (4 per decoder layer): its one product, or its products' outputs side by side.
   at::Tensor operator()(const at::Tensor& x, size_t slot, at::ScalarType out_dtype, bool gated = false,
                         const PrefetchPlan* prefetch = nullptr) const {
     if (first[slot + 1] == first[slot] + 1) return product(x, first[slot], out_dtype, gated, prefetch);
