@@ -8,13 +8,24 @@ Faults are evenly spaced rather than random: at rate ``r`` the invocations
 whose count crosses a multiple of ``1 / r`` fail (at 0.2: the 5th, 10th, ...),
 so a test that makes enough invocations always sees a fault (however few
 invocations a fast engine needs), and a run can be reproduced.
+
+A fault fires at one of two points of a step (``point``): at its start, before
+its batch is built, or as its decoder layers start, once the slots its K/V
+goes to are chosen and before any is written: a hang there writes that K/V
+after the invocation's deadline, into pages the engine must keep from others.
 """
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from dataclasses import dataclass, field
+
+
+class FaultPoint(enum.Enum):
+    START = "start"  #: before the step's batch is built
+    LAYERS = "layers"  #: as the decoder layers start, before any K/V of the step is written
 
 
 class InjectedFault(RuntimeError):
@@ -24,16 +35,18 @@ class InjectedFault(RuntimeError):
 @dataclass
 class FaultInjector:
     rate: float = 0.0
-    #: When > 0, a chosen invocation sleeps this long instead of raising (exercises --invocation-timeout).
+    #: When > 0, a chosen step sleeps this long, then goes on, instead of raising (exercises --invocation-timeout).
     hang_seconds: float = 0.0
+    #: Where in a step the fault fires.
+    point: FaultPoint = FaultPoint.START
     #: Invocations seen while the rate was non-zero, and how many of them were made to fail.
     calls: int = 0
     injected: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def maybe_fail(self) -> None:
-        """Called at the start of every invocation, on the fiber's worker thread."""
-        if not self.rate:
+    def maybe_fail(self, point: FaultPoint) -> None:
+        """Called at both points of every step, on the fiber's worker thread; counts and fires at ``self.point``."""
+        if not self.rate or point is not self.point:
             return
         with self._lock:
             self.calls += 1

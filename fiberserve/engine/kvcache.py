@@ -3,7 +3,9 @@
 Every page is in exactly one of three states:
 
 * **free**: nobody holds it and it caches nothing;
-* **in use**: held by one or more sequences (``refs > 0``);
+* **in use**: held by one or more sequences (``refs > 0``), or quarantined:
+  held for a model call that timed out and may still write them, until it
+  returns (:meth:`PagePool.quarantine`);
 * **cached**: nobody holds it, but it holds a full page of a known token
   prefix and may be reused by a later request; evicted LRU-first when free
   pages run out.
@@ -41,6 +43,7 @@ class PagePool:
         self._key_of_page: dict[int, tuple[int, tuple[int, ...]]] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached pages, oldest first
         self._node_ids = itertools.count(1)
+        self._quarantined: dict[str, list[int]] = {}  # holder -> the page references it keeps
         self.hits = 0
         self.queries = 0
 
@@ -66,6 +69,20 @@ class PagePool:
     def available_pages(self) -> int:
         """Pages an allocation can get: free ones plus evictable cached ones."""
         return len(self._free) + len(self._lru)
+
+    @property
+    def quarantined(self) -> dict[str, int]:
+        """Distinct pages each quarantine holds, by holder."""
+        return {holder: len(set(pages)) for holder, pages in self._quarantined.items()}
+
+    @property
+    def quarantined_pages(self) -> int:
+        """Distinct pages in quarantine, all holders together."""
+        return len({page for pages in self._quarantined.values() for page in pages})
+
+    @property
+    def quarantined_references(self) -> int:
+        return sum(len(pages) for pages in self._quarantined.values())
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -114,6 +131,17 @@ class PagePool:
                     self._lru[page] = None
                 else:
                     self._free.append(page)
+
+    def quarantine(self, holder: str, pages: Sequence[int]) -> None:
+        """Keep a sequence's references to ``pages`` under ``holder`` instead: the pages stay in use, neither free
+        nor cached, until :meth:`end_quarantine` (for pages a call that timed out may still write)."""
+        self._quarantined.setdefault(holder, []).extend(pages)
+
+    def end_quarantine(self, holder: str) -> int:
+        """Release the references ``holder`` keeps; returns how many."""
+        pages = self._quarantined.pop(holder, [])
+        self.release(pages)
+        return len(pages)
 
     def _forget(self, page: int) -> None:
         key = self._key_of_page.pop(page)

@@ -3,6 +3,8 @@
 It is the stateful thing a fiber's ``Program`` instance holds: the model (shared, read-only), the KV cache
 (shared; each flight touches only its own sequences' pages) and per-instance scratch.  It builds the flat batch,
 runs the forward pass and samples, all on the fiber's worker; a multi-step flight's steps run back to back there.
+A call changes nothing in the runner, so one runner may serve several threads at once (``--isolation none``) and
+move between threads (``per_call``): each call sets the calling thread's team.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from fiberserve.engine.faults import FaultInjector
+from fiberserve.engine.faults import FaultInjector, FaultPoint
 from fiberserve.engine.flight import Flight, FlightItem, FlightResult
 from fiberserve.engine.sampler import race_parameters, sample, score_tokens
 from fiberserve.engine.sequence import TokenLogprob
@@ -28,20 +30,16 @@ class ModelRunner:
         self,
         model: LlamaModel,
         cache: KVCache,
-        threads: int | None,
+        team: Callable[[], int],
         faults: FaultInjector,
-        free_cores: Callable[[], int] | None = None,
     ) -> None:
-        """``threads``: this fiber's thread team; ``free_cores``, if given, narrows it before each flight to the
-        cores other processes leave free (``runtime/cpu_share.py``)."""
+        """``team``: how many threads the calling thread's products use, asked before each flight
+        (``runtime/cpu_share.py``'s ``ThreadTeams``)."""
         self.model = model
         self.cache = cache
         self.page_size = cache.page_size
         self.faults = faults
-        self.free_cores = free_cores
-        self.threads = threads
-        if threads:
-            torch.set_num_threads(threads)  # per calling thread: this fiber's worker
+        self.team = team
 
     def build_batch(self, items: list[FlightItem]) -> ForwardBatch:
         """The flight as one flat batch, built in Python lists (a few microseconds per item) and turned
@@ -82,9 +80,8 @@ class ModelRunner:
         ``flight.on_step`` once the next one's layers start, not as soon as it is done: the event loop's thread,
         woken by either, then finds the GIL free (woken earlier, its Python would take the GIL from this
         thread's between the steps)."""
-        if self.free_cores is not None and (threads := self.free_cores()) != self.threads:
-            torch.set_num_threads(threads)  # the kernels' rows do not depend on the team's size
-            self.threads = threads
+        if (threads := self.team()) != torch.get_num_threads():  # the calling thread's; results do not depend on it
+            torch.set_num_threads(threads)
         items: list[FlightItem] = flight.items
         publish: Callable[[], object] | None = flight.on_takeoff
         for _ in range(flight.steps - 1):
@@ -98,10 +95,10 @@ class ModelRunner:
     def step(self, items: list[FlightItem], before_layers: Callable[[], object] | None = None) -> FlightResult:
         """One forward pass over ``items`` (calling ``before_layers`` as its layers start), then the picks of
         the items that sample."""
-        self.faults.maybe_fail()
+        self.faults.maybe_fail(FaultPoint.START)
         started = time.perf_counter()
         batch = self.build_batch(items)
-        batch.before_layers = before_layers
+        batch.before_layers = functools.partial(self._layers_start, before_layers)
         sampling = [item.seq for item in items for _ in range(item.sample_rows)]
         positions = [position for item in items for position in item.sampled_positions]
         scoring = any(item.scored_prompt for item in items)
@@ -119,6 +116,12 @@ class ModelRunner:
             picked = iter(sample(logits, sampling, positions) if sampling else [])
         picks = [item.accept([next(picked) for _ in range(item.sample_rows)]) for item in items]
         return FlightResult(picks, scored, items, time.perf_counter() - started)
+
+    def _layers_start(self, before_layers: Callable[[], object] | None) -> None:
+        """As the step's layers start: its inputs and K/V slots are built, no K/V is written yet."""
+        if before_layers is not None:
+            before_layers()
+        self.faults.maybe_fail(FaultPoint.LAYERS)
 
     @staticmethod
     def _score_prompts(items: list[FlightItem], logits: torch.Tensor, scored: list[list[TokenLogprob]]) -> torch.Tensor:

@@ -23,6 +23,9 @@ Policy, in the order :meth:`Scheduler.next_flight` applies it:
 Every sequence ends in exactly one of stop, length, abort, error, and its
 pages are released in all four (:meth:`finish`).  A sequence in the air is
 never freed: an abort only flags it, and it is finished when its flight lands.
+A flight whose call timed out lands failed while the call may still write its
+sequences' K/V: their pages go to a quarantine under the call's fiber, not back
+to the pool (:meth:`on_flight_failed`).
 """
 
 from __future__ import annotations
@@ -243,10 +246,16 @@ class Scheduler:
         for item in flight.items:
             item.seq.status = Status.RUNNING
 
-    def on_flight_failed(self, flight: Flight, error: BaseException) -> None:
+    def on_flight_failed(self, flight: Flight, error: BaseException, quarantine: str | None = None) -> None:
+        """End the flight's sequences with ``error``.  With ``quarantine`` (the name of a fiber whose call still
+        runs), every page they hold stays in use under that name until ``pages.end_quarantine`` is called: the
+        call may write the K/V of any of its items, whatever step it has reached."""
         self._land(flight)
         for item in flight.items:
             seq = item.seq
+            if quarantine is not None:
+                self.pages.quarantine(quarantine, seq.pages)
+                seq.pages = []
             if seq.finishing is not None:  # it ended at an earlier step of the flight
                 self._finish_ended(seq)
                 continue
@@ -278,12 +287,14 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.pages.check_integrity()
-        held = sum(len(s.pages) for s in self.running)
-        assert held == self.pages.total_references, f"sequences hold {held} page references, pool counts " + str(
-            self.pages.total_references
+        held = sum(len(s.pages) for s in self.running) + self.pages.quarantined_references
+        assert held == self.pages.total_references, (
+            f"sequences and quarantines hold {held} page references, the pool counts {self.pages.total_references}"
         )
         assert all(s.status in (Status.RUNNING, Status.IN_FLIGHT) for s in self.running)
         assert all(i.seq.in_flight and f.steps > 1 for f in self.multi_step.in_air for i in f.items)
         assert all(s.status is Status.WAITING and not s.pages for s in self.waiting)
         if not self.running and not self.waiting:
-            assert self.pages.used_pages == 0, f"{self.pages.used_pages} pages in use with no sequence"
+            assert self.pages.used_pages == self.pages.quarantined_pages, (
+                f"{self.pages.used_pages} pages in use with no sequence"
+            )

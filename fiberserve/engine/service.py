@@ -45,9 +45,9 @@ from fiberserve.model.config import ModelConfig
 from fiberserve.model.llama import KVCache, LlamaModel
 from fiberserve.model.loader import Checkpoint, load_checkpoint
 from fiberserve.model.tokenizer import Tokenizer, load_tokenizer
-from fiberserve.runtime import FiberPool, Isolation, Program
+from fiberserve.runtime import FiberPool, InvocationTimeout, Isolation, Program
 from fiberserve.runtime.allocator import keep_freed_buffers, return_freed_buffers, trim_freed_memory
-from fiberserve.runtime.cpu_share import FreeCores
+from fiberserve.runtime.cpu_share import ThreadTeams
 from fiberserve.runtime.worker import hand_over_the_gil_promptly
 
 log = logging.getLogger(__name__)
@@ -282,10 +282,9 @@ class LlmService:
         #: Draws the sampling seeds of requests that give none (``config.seed`` seeds it).
         self.unseeded = random.Random(config.seed)
         threads = config.threads_per_fiber or max(1, (os.cpu_count() or 1) // config.fibers)
+        self.teams = ThreadTeams(threads, config.fibers, config.fit_free_cores)
         self.program = Program(
-            lambda fiber: ModelRunner(
-                self.model, self.kv_cache, threads, self.faults, FreeCores(threads) if config.fit_free_cores else None
-            ),
+            lambda fiber: ModelRunner(self.model, self.kv_cache, self.teams, self.faults),
             Isolation(config.isolation),
             name="llama-forward",
         )
@@ -379,7 +378,10 @@ class LlmService:
             self.scheduler.release_events()  # held for this flight's takeoff, which its failure may have skipped
             self.flights_failed += 1
             log.warning("flight of %d sequences failed: %r", len(flight.items), exc)
-            self.scheduler.on_flight_failed(flight, exc)
+            if isinstance(exc, InvocationTimeout):
+                self._quarantine_until_returned(flight, exc)
+            else:
+                self.scheduler.on_flight_failed(flight, exc)
             if not isinstance(exc, Exception):
                 raise
         else:
@@ -406,6 +408,23 @@ class LlmService:
                 except AssertionError as exc:
                     log.exception("the engine's invariants broke")
                     self.broken = f"the engine's invariants broke: {exc}"
+
+    def _quarantine_until_returned(self, flight: Flight, timeout: InvocationTimeout) -> None:
+        """Fail a flight whose call ran past its deadline: the call may still write its sequences' K/V, so their
+        pages stay in quarantine, and its thread team stays counted, until it returns (if it never does, they stay
+        out of use, reported by ``/health`` and ``/metrics``)."""
+        holder = timeout.fiber.name
+        self.teams.hold(holder)
+        self.scheduler.on_flight_failed(flight, timeout, quarantine=holder)
+        held = self.pages.quarantined.get(holder, 0)
+        log.warning("%d KV pages quarantined until the call on %s returns", held, holder)
+
+        def returned(_: asyncio.Future) -> None:
+            log.info("the call on %s returned: %d KV pages back", holder, self.pages.end_quarantine(holder))
+            self.teams.release(holder)
+            self._wake.set()
+
+        timeout.call.add_done_callback(returned)
 
     # ------------------------------------------------------------------ requests
 

@@ -63,3 +63,36 @@ class FreeCores:
             self.free = max(1, min(self.cores, self.cores - taken))
         self._last = (now, machine, own)
         return self.free
+
+
+class ThreadTeams:
+    """The thread team each fiber's invocation runs with (at least one thread): ``share`` threads, less a share of
+    the threads that invocations which timed out still hold, and at most the cores other processes leave free
+    (``fit_free_cores``).
+
+    A timed-out invocation's fiber is retired with its worker possibly still running, its team with it; the
+    replacement fiber's team comes out of that team's threads (:meth:`hold` until the call returns, then
+    :meth:`release`), so the process keeps to ``share * fibers`` threads.  :meth:`hold` and :meth:`release` run on
+    the event loop, the call on the fibers' workers."""
+
+    def __init__(self, share: int, fibers: int, fit_free_cores: bool = False) -> None:
+        self.share, self.fibers = share, fibers
+        self.free_cores = FreeCores(share) if fit_free_cores else None
+        #: Threads held per holder (a retired fiber's name), and their sum, which the workers read.
+        self.held: dict[str, int] = {}
+        self._held_threads = 0
+
+    def hold(self, holder: str) -> None:
+        """``holder``'s team (one share) keeps running outside the pool until :meth:`release`."""
+        if holder not in self.held:
+            self.held[holder] = self.share
+            self._held_threads += self.share
+
+    def release(self, holder: str) -> None:
+        self._held_threads -= self.held.pop(holder, 0)
+
+    def __call__(self) -> int:
+        team = self.share - -(-self._held_threads // self.fibers)
+        if self.free_cores is not None:
+            team = min(team, self.free_cores())
+        return max(1, team)

@@ -20,7 +20,9 @@ built on next use), re-raises to its own caller only, and leaves the fiber
 usable.  A caller cancelled mid-invocation still holds the fiber until the
 call lands.  An invocation that outlives ``timeout`` raises
 :class:`InvocationTimeout`; the fiber is marked unhealthy so that its pool
-retires it (its thread may still be stuck) and the instance is discarded.
+retires it (its thread may still be stuck) and the instance is discarded.  The
+error carries the call's future: whatever the call may still write must stay
+reserved until that future is done (the engine quarantines the call's KV pages).
 """
 
 from __future__ import annotations
@@ -45,7 +47,12 @@ class ConcurrentInvocationError(RuntimeError):
 
 
 class InvocationTimeout(TimeoutError):
-    """An invocation ran past its deadline; its fiber is retired."""
+    """An invocation ran past its deadline; its fiber is retired.  ``call``: the future of the call, which may
+    still be running on ``fiber``'s worker; done (result or error) once it returns."""
+
+    def __init__(self, message: str, fiber: Fiber, call: asyncio.Future) -> None:
+        super().__init__(message)
+        self.fiber, self.call = fiber, call
 
 
 class Program:
@@ -91,8 +98,9 @@ class Program:
             except TimeoutError:
                 fiber.healthy = False
                 self._per_fiber.pop(fiber.id, None)
+                call.add_done_callback(_retrieve)  # its late result or error belongs to nobody
                 raise InvocationTimeout(
-                    f"{self.name!r} on {fiber.name} ran past {timeout:.3g}s; the fiber is retired"
+                    f"{self.name!r} on {fiber.name} ran past {timeout:.3g}s; the fiber is retired", fiber, call
                 ) from None
         finally:
             self._running_fibers.discard(fiber.id)
@@ -140,9 +148,10 @@ class Program:
                     self._shared = None
             raise
 
-    def instance_for(self, fiber: Fiber) -> Any | None:
-        """The PER_FIBER instance currently bound to ``fiber`` (None if not built)."""
-        return self._per_fiber.get(fiber.id)
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # marks it retrieved: no "exception never retrieved" at collection
 
 
 async def _until_done(future: asyncio.Future) -> None:

@@ -75,6 +75,14 @@ class _EngineCollector:
         kv.add_metric(["used"], pages.used_pages)
         kv.add_metric(["cached"], pages.cached_pages)
         yield kv
+        quarantined = GaugeMetricFamily(
+            "fiberserve_kv_pages_quarantined",
+            "KV pages (counted in use) held for a timed-out model call that has not returned, by its fiber",
+            labels=["fiber"],
+        )
+        for fiber, count in pages.quarantined.items():
+            quarantined.add_metric([fiber], count)
+        yield quarantined
         yield gauge(
             "fiberserve_prefix_cache_hit_rate",
             "Admissions that reused cached prefix pages",

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fiberserve import __version__
 from fiberserve.engine import InvalidParameter
 from fiberserve.engine import Request as EngineRequest
+from fiberserve.engine.faults import FaultPoint
 from fiberserve.engine.sequence import FinishReason, Sequence, TokenLogprob
 from fiberserve.engine.service import CompletionOutput, completion_of
 from fiberserve.model.tokenizer import Tokenizer
@@ -36,6 +37,9 @@ async def health(request: Request) -> Response:
     if state.service is None:
         status = "failed" if state.load_error else "loading"
         return JSONResponse({"status": status}, status_code=503)
+    quarantined = state.service.pages.quarantined
+    if quarantined:  # calls that timed out and have not returned: their pages are out of use until they do
+        return JSONResponse({"status": "ok", "quarantined_kv_pages": quarantined})
     return JSONResponse({"status": "ok"})
 
 
@@ -89,6 +93,7 @@ async def server_info(request: Request) -> dict:
             "free": service.pages.free_pages,
             "used": service.pages.used_pages,
             "cached": service.pages.cached_pages,
+            "quarantined": service.pages.quarantined,
         },
         "pool": pool.__dict__ if pool else None,
         "active_requests": len(state.active),
@@ -137,12 +142,15 @@ async def set_faults(request: Request) -> dict:
     try:
         body = await request.json()
         rate, hang = float(body.get("rate", 0.0)), float(body.get("hang_seconds", 0.0))
+        point = FaultPoint(body.get("point", "start"))
     except (ValueError, TypeError, AttributeError):
-        raise ApiError(400, 'body: expected {"rate": float, "hang_seconds": float}', "body") from None
+        raise ApiError(
+            400, 'body: expected {"rate": float, "hang_seconds": float, "point": "start" | "layers"}', "body"
+        ) from None
     if not (0.0 <= rate <= 1.0 and 0.0 <= hang <= 60.0):
         raise ApiError(400, "rate must be in [0, 1] and hang_seconds in [0, 60]", "rate")
-    service.faults.rate, service.faults.hang_seconds = rate, hang
-    return {"rate": rate, "hang_seconds": hang, "injected": service.faults.injected}
+    service.faults.rate, service.faults.hang_seconds, service.faults.point = rate, hang, point
+    return {"rate": rate, "hang_seconds": hang, "point": point.value, "injected": service.faults.injected}
 
 
 def finish_reason(comp: CompletionOutput | Sequence) -> dict | None:

@@ -7,8 +7,10 @@ import functools
 import sys
 
 import pytest
+import torch
 
 from fiberserve.engine import SamplingParams, speculation
+from fiberserve.engine.faults import FaultPoint
 from fiberserve.engine.sampling_params import InvalidParameter
 from fiberserve.model.llama import ForwardBatch
 from fiberserve.runtime.worker import GIL_SWITCH_INTERVAL_S
@@ -580,5 +582,66 @@ async def test_a_request_has_one_consumer_of_its_events_and_a_finished_one_waits
         await asyncio.sleep(0)
         assert svc.is_idle() and svc.pages.used_pages == 0
         svc.check_integrity()
+    finally:
+        await svc.close()
+
+
+async def test_pages_a_timed_out_call_may_still_write_stay_out_of_use_until_it_returns(engine):
+    """A step hangs as its layers start (its K/V slots chosen, none written) past the invocation timeout, then goes
+    on and writes its K/V.  Its pages stay quarantined until the call returns, so the K/V of every other page,
+    such as those of a request served meanwhile (which the prefix cache keeps for later ones), does not change; the
+    replacement fiber's team comes out of the stuck one's threads until then."""
+    svc = engine.service(fibers=1, threads_per_fiber=2, fit_free_cores=False, invocation_timeout=0.5)
+    svc.faults.rate, svc.faults.hang_seconds, svc.faults.point = 1.0, 4.0, FaultPoint.LAYERS
+    await svc.start()
+    try:
+        hung_prompt, prompt = engine.chat_prompts(2)
+        params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+        hung = (await svc.generate(hung_prompt, params)).outputs[0]
+        svc.faults.rate = 0.0
+        assert hung.finish_reason == "error" and "ran past 0.5s" in (hung.error or "")
+        quarantined = svc.pages.quarantined
+        assert list(quarantined) == ["fiber-0"] and quarantined["fiber-0"] >= svc.pages.pages_for(len(hung_prompt))
+        assert svc.pages.used_pages == quarantined["fiber-0"] and svc.pool.stats().retired == 1
+        assert svc.teams() == 1  # the stuck call's two threads leave the replacement one
+        served = await svc.generate(prompt, params)
+        assert served.outputs[0].finish_reason == "length"
+        assert await svc.pool.fibers[0].run(torch.get_num_threads) == 1
+        held_slots = torch.tensor(
+            [p * svc.pages.page_size + i for p in svc.pages._quarantined["fiber-0"] for i in range(svc.pages.page_size)]
+        )
+        others = torch.ones(svc.kv_cache.k.shape[1], dtype=torch.bool)
+        others[held_slots] = False
+        k_before, v_before = svc.kv_cache.k[:, others].clone(), svc.kv_cache.v[:, others].clone()
+        assert svc.pages.quarantined, "the hung call returned before the check could start"
+        for _ in range(200):
+            if not svc.pages.quarantined:
+                break
+            await asyncio.sleep(0.05)
+        assert not svc.pages.quarantined and svc.pages.used_pages == 0 and svc.teams() == 2
+        assert torch.equal(svc.kv_cache.k[:, others], k_before) and torch.equal(svc.kv_cache.v[:, others], v_before)
+        # The late call wrote its pages: they changed, and are free again (the first prompt's K/V, never served).
+        assert not torch.equal(svc.kv_cache.k[:, held_slots], torch.zeros_like(svc.kv_cache.k[:, held_slots]))
+        again = await svc.generate(prompt, params)  # reads the served request's cached pages
+        assert again.outputs[0].token_ids == served.outputs[0].token_ids and again.cached_tokens > 0
+        svc.check_integrity()
+    finally:
+        await svc.close()
+
+
+@pytest.mark.parametrize("isolation", ["per_call", "none"])
+async def test_every_isolation_serves_the_model_each_call_on_its_fiber_s_team(engine, isolation):
+    """per_call moves a runner between fibers and none shares one among them: each call sets its thread's team,
+    and the outputs are per_fiber's."""
+    prompts, params = engine.chat_prompts(6), SamplingParams(max_new_tokens=8, temperature=0)
+    config = {"fibers": 2, "threads_per_fiber": 1, "fit_free_cores": False}
+    reference = await engine.run(prompts, params, **config)
+    svc = engine.service(isolation=isolation, **config)
+    await svc.start()
+    try:
+        outputs = [await svc.generate(p, params) for p in prompts]  # one at a time: flights take the fibers in turn
+        assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+        assert svc.program.instances_built == 1
+        assert [await fiber.run(torch.get_num_threads) for fiber in svc.pool.fibers] == [1, 1]
     finally:
         await svc.close()

@@ -409,13 +409,25 @@ def test_fault_injection_fails_only_its_flights(start_server, model_path):
         for i, r in enumerate(faulty):
             if r.status_code == 200:
                 assert r.json()["text"] == reference[i]
-        # a hung invocation is bounded by --invocation-timeout; its fiber is replaced
+        # a hung invocation is bounded by --invocation-timeout; its fiber is replaced, and until the call returns
+        # its pages are quarantined, which /health, /get_server_info and /metrics say
         with proc.client() as c:
-            c.post("/debug/faults", json={"rate": 1.0, "hang_seconds": 5})
+            c.post("/debug/faults", json={"rate": 1.0, "hang_seconds": 5, "point": "layers"})
             hung = c.post(G, json={"text": "Hello", "sampling_params": params})
             assert hung.status_code == 500 and "ran past 2s" in hung.json()["error"]["message"]
             c.post("/debug/faults", json={"rate": 0})
             assert c.post(G, json={"text": "Hello", "sampling_params": params}).status_code == 200
+            health = c.get("/health").json()
+            (fiber, held), *others = health["quarantined_kv_pages"].items()
+            assert health["status"] == "ok" and fiber.startswith("fiber-") and held > 0 and not others
+            assert c.get("/get_server_info").json()["kv_pages"]["quarantined"] == {fiber: held}
+            assert f'fiberserve_kv_pages_quarantined{{fiber="{fiber}"}} {held}.0' in c.get("/metrics").text
+            for _ in range(100):
+                if "quarantined_kv_pages" not in c.get("/health").json():
+                    break
+                time.sleep(0.1)
+            assert c.get("/health").json() == {"status": "ok"}
+            assert c.post("/debug/faults", json={"point": "nowhere"}).status_code == 400
         info = proc.assert_idle()
         assert info["pool"]["size"] == 2 and info["pool"]["retired"] >= 1
     finally:

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from fiberserve.runtime import cpu_share
-from fiberserve.runtime.cpu_share import SAMPLE_INTERVAL_S, FreeCores
+from fiberserve.runtime.cpu_share import SAMPLE_INTERVAL_S, FreeCores, ThreadTeams
 
 
 def test_free_cores_follow_what_other_processes_use(monkeypatch):
@@ -53,3 +53,19 @@ def test_a_busy_neighbour_process_is_seen():
     finally:
         neighbour.kill()
         neighbour.wait()
+
+
+def test_thread_teams_give_a_replacement_fiber_what_a_stuck_team_leaves():
+    teams = ThreadTeams(share=4, fibers=2)
+    assert teams() == 4
+    teams.hold("fiber-0")  # a timed-out call's team of 4 still runs: the 8 threads' budget has 4 left for 2 fibers
+    assert teams() == 2
+    teams.hold("fiber-0")  # one hold per holder
+    assert teams() == 2
+    teams.hold("fiber-2")
+    assert teams() == 1  # at least one thread, whatever is held
+    teams.release("fiber-0")
+    teams.release("fiber-2")
+    teams.release("fiber-2")
+    assert teams() == 4 and teams.held == {}
+    assert ThreadTeams(share=2, fibers=1)() == 2

@@ -137,3 +137,19 @@ def test_a_kv_cache_takes_memory_only_as_its_pages_are_written():
     assert cache.k.shape == (16, 65536, 8, 64) and cache.k.dtype == torch.bfloat16
     cache.v[3, 1000:1016] = 1.5
     assert float(cache.k[15, -1].abs().sum()) == 0.0 and float(cache.v[3, 1000:1016].sum()) == 1.5 * 16 * 8 * 64
+
+
+def test_quarantined_pages_stay_in_use_until_their_quarantine_ends():
+    pool = PagePool(num_pages=4, page_size=2)
+    held = pool.allocate(3)
+    assert held is not None
+    pool.register(held, [1, 2, 3, 4, 5], 0)  # two full pages enter the prefix cache
+    pool.quarantine("fiber-0", held)
+    pool.check_integrity()
+    assert pool.quarantined == {"fiber-0": 3} and pool.quarantined_references == 3 and pool.quarantined_pages == 3
+    assert pool.used_pages == 3 and pool.cached_pages == 0 and pool.available_pages == 1
+    assert pool.allocate(2) is None  # nobody gets them meanwhile
+    assert pool.end_quarantine("fiber-0") == 3
+    assert pool.quarantined == {} and pool.used_pages == 0 and pool.cached_pages == 2 and pool.free_pages == 2
+    assert pool.end_quarantine("fiber-0") == 0
+    pool.check_integrity()

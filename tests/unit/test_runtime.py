@@ -360,11 +360,14 @@ async def test_hung_invocation_is_bounded_and_its_fiber_replaced(pool):
         async with p.acquire() as fiber:
             return await program.invoke(fiber, block, timeout=timeout)
 
-    with pytest.raises(InvocationTimeout, match="retired"):
+    with pytest.raises(InvocationTimeout, match="retired") as timed_out:
         await call(True, 0.05)
     assert p.stats().size == 2 and p.stats().retired == 1
     assert await asyncio.gather(*(call(False, 5) for _ in range(4))) == ["ok"] * 4
+    # The error carries the call, still running on the retired fiber, done once it returns.
+    assert not timed_out.value.call.done() and not timed_out.value.fiber.healthy
     release.set()
+    assert await asyncio.wait_for(timed_out.value.call, 5) is True
 
 
 async def test_randomized_stress_keeps_every_invariant(pool, tracker):
@@ -409,17 +412,18 @@ async def test_randomized_stress_keeps_every_invariant(pool, tracker):
         assert (await program.invoke(fiber, 0.0))[0] == fiber.id
 
 
-def test_fault_injection_is_evenly_spaced():
-    from fiberserve.engine.faults import FaultInjector, InjectedFault
+def test_fault_injection_is_evenly_spaced_and_fires_at_its_point():
+    from fiberserve.engine.faults import FaultInjector, FaultPoint, InjectedFault
 
-    faults = FaultInjector(rate=0.2)
+    faults = FaultInjector(rate=0.2, point=FaultPoint.LAYERS)
     failed = []
     for call in range(1, 21):
+        faults.maybe_fail(FaultPoint.START)  # not its point: neither counted nor fired
         try:
-            faults.maybe_fail()
+            faults.maybe_fail(FaultPoint.LAYERS)
         except InjectedFault:
             failed.append(call)
-    assert failed == [5, 10, 15, 20] and faults.injected == 4
+    assert failed == [5, 10, 15, 20] and faults.injected == 4 and faults.calls == 20
     faults.rate = 0.0
-    faults.maybe_fail()  # off: never fails
+    faults.maybe_fail(FaultPoint.LAYERS)  # off: never fails
     assert faults.calls == 20
