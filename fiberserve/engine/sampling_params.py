@@ -24,6 +24,9 @@ class SamplingParams:
     """What to generate and how to pick each token (vLLM / SGLang semantics)."""
 
     max_new_tokens: int = 128
+    #: ``max_new_tokens`` is the API's default, not the client's: cut to what the context leaves after the prompt
+    #: rather than refused (vLLM's default is that remainder).
+    max_new_tokens_by_default: bool = False
     #: No stop token nor stop string ends the output before this many tokens (vLLM's ``min_tokens``).
     min_new_tokens: int = 0
     temperature: float = 1.0

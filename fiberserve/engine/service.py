@@ -15,6 +15,7 @@ decodes may carry draft tokens, checked in the same pass
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import logging
@@ -456,6 +457,9 @@ class LlmService:
         an integrity check has found the engine broken."""
         if self.broken is not None:
             raise RuntimeError(self.broken)
+        room = self.max_context - len(prompt_ids)
+        if params.max_new_tokens_by_default and 0 < room < params.max_new_tokens:
+            params = dataclasses.replace(params, max_new_tokens=room)
         self.validate(prompt_ids, params)
         grammar = self.grammars.compile(params.grammar) if params.grammar else None
         if len(self.scheduler.waiting) + params.n > self.config.max_queue:

@@ -133,6 +133,7 @@ def _token_biases(bias: dict[str, float] | None) -> dict[int, float] | None:
 def build_params(defaults: dict[str, Any], **given: Any) -> SamplingParams:
     """SamplingParams from defaults overridden by the non-null given values."""
     values = {**defaults, **{k: v for k, v in given.items() if v is not None}}
+    values["max_new_tokens_by_default"] = given.get("max_new_tokens") is None
     try:
         return SamplingParams(**values)
     except TypeError as exc:  # pragma: no cover - programming error, not user input

@@ -415,6 +415,10 @@ async def test_max_model_len_caps_every_request_s_context(engine):
     assert err.value.field == "max_new_tokens" and f"context length {len(prompt) + 8}" in str(err.value)
     [out] = await engine.run([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True), max_model_len=len(prompt) + 8)
     assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
+    # An API's default limit (the client gave none) is cut to what the context leaves, not refused.
+    by_default = SamplingParams(max_new_tokens=512, ignore_eos=True, max_new_tokens_by_default=True)
+    [out] = await engine.run([prompt], by_default, max_model_len=len(prompt) + 8)
+    assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
     for bad in (0, engine.service().max_context + 1):
         with pytest.raises(ValueError, match="--max-model-len must be between 1 and the model's context length"):
             engine.service(max_model_len=bad)
