@@ -55,7 +55,10 @@ HELP = {
     "prefix_caching": "reuse KV pages of prompt prefixes already computed",
     "max_queue": "most sequences waiting for admission; beyond it requests get 503 at once",
     "invocation_timeout": "seconds one model invocation may take before its flight fails and its fiber is replaced",
-    "fault_rate": "fraction of model invocations that fail on purpose (testing only)",
+    "fault_rate": (
+        "fraction of model invocations that fail on purpose (testing only; POST /debug/faults retunes it: rate, "
+        "hang_seconds, point 'start' or 'layers')"
+    ),
     "max_n": "largest n (completions per prompt) a request may ask for",
     "seed": "seeds the sampling seeds drawn for requests that give none (same server, same requests: same tokens)",
     "progress": "show progress bars while fetching and loading",

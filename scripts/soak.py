@@ -292,13 +292,13 @@ class Soak:
             kv_pages_cached=info["kv_pages"]["cached"],
         )
 
-    def run(self, seconds: float, sample_s: float, warmup_s: float, log=print) -> Report:
+    def run(self, seconds: float, sample_s: float, warmup_s: float) -> Report:
         report = Report()
         started = time.monotonic()
         while time.monotonic() - started < seconds:
             asyncio.run(self.round(min(sample_s, seconds - (time.monotonic() - started))))
             report.samples.append(self.sample(started))
-            log(json.dumps(asdict(report.samples[-1])))
+            print(json.dumps(asdict(report.samples[-1])), flush=True)
         report.tallies, report.errors = dict(self.tally), self.errors
         report.checks = check(report.samples, warmup_s)
         return report
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--sample-s", type=float, default=60.0, help="seconds between two samples")
-    parser.add_argument("--warmup-s", type=float, default=120.0, help="seconds before the baseline sample")
+    parser.add_argument("--warmup-s", type=float, default=300.0, help="seconds before the baseline sample")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the samples, tallies, errors and failed checks here")
