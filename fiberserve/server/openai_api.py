@@ -29,6 +29,7 @@ _OPENAI_NAMES = {
     "min_new_tokens": "min_tokens",
     "top_logprobs": "logprobs",
     "prompt": "prompt",
+    "input_ids": "prompt",
 }
 _CHAT_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "prompt": "messages"}
 
@@ -273,9 +274,15 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         raise from_engine(exc, _OPENAI_NAMES) from None
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     echo = None
-    if body.echo:  # the prompts as given; token ids as their text
+    if body.echo:  # the prompts as given; token ids as their text, once the engine has checked them
         texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt[0], str) else None
-        echo = texts or [state.ready_service().tokenizer.decode(p, params.skip_special_tokens) for p in prompts]
+        service = state.ready_service()
+        try:
+            for ids in prompts:
+                service.validate(ids, params)
+        except InvalidParameter as exc:
+            raise from_engine(exc, _OPENAI_NAMES) from None
+        echo = texts or [service.tokenizer.decode(p, params.skip_special_tokens) for p in prompts]
     render = _Completions(params.logprobs, echo)
     return await _serve(request, state, prompts, params, _OPENAI_NAMES, body.stream, include_usage, render)
 

@@ -77,6 +77,8 @@ BAD_INPUT = [
     (C, {"max_tokens": 2}, 400, "prompt"),
     (C, {"prompt": ""}, 400, "prompt"),
     (C, {"prompt": [[]]}, 400, "prompt"),
+    (C, {"prompt": [[-5]], "echo": True, "max_tokens": 1}, 400, "prompt"),  # checked before it is echoed
+    (C, {"prompt": [70000], "max_tokens": 1}, 400, "prompt"),
     (C, {"prompt": "a", "max_tokens": -2}, 400, "max_tokens"),
     (C, {"prompt": "a", "logprobs": 50}, 400, "logprobs"),
     (C, {"prompt": "a", "n": 100}, 400, "n"),
