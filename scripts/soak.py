@@ -7,7 +7,8 @@ calls; ``/v1/completions`` with logprobs; requests the client gives up on (abort
 few chunks; malformed requests (each must get a 4xx JSON error); and overload bursts beyond ``--max-queue`` (each
 must get a 200 or a fast 503).  Any other answer is an error.
 
-The run is cut into rounds of ``--sample-s`` seconds.  After each, the clients close their connections, the
+The run starts with the largest flights the server allows (``Soak.peak``), then is cut into rounds of
+``--sample-s`` seconds.  After each, the clients close their connections, the
 server is waited for until idle, and its process is sampled: RSS, open file descriptors, threads, asyncio tasks,
 KV pages in use.  The first sample at or after ``--warmup-s`` is the baseline; every later one must have RSS
 within ``RSS_GROWTH`` of it, no page in use, and the same descriptors, threads and tasks.  Exit status 0 when every
@@ -48,6 +49,7 @@ IDLE_TIMEOUT_S = 60.0
 SERVER_FLAGS = ("--fibers", "2", "--max-queue", "32", "--tool-call-parser", "hermes", "--no-progress")
 
 BURST = 48  #: requests in one overload burst: more than the queue holds
+PEAK_ROWS = 64  #: sequences in the warm-up's largest flights: the server's --max-running default
 
 WEATHER_TOOL = {
     "type": "function",
@@ -252,6 +254,17 @@ class Soak:
                 except Exception as exc:  # every failure is a finding: kept with its request kind
                     self.errors.append(f"{kind.__name__} #{i}: {type(exc).__name__}: {exc}"[:500])
 
+    async def peak(self, waves: int = 3) -> None:
+        """The largest flights the server's limits allow, before the first round: :data:`PEAK_ROWS` chats at once
+        with logprobs, so that the heap's high water (which keeps freed buffers for reuse) is reached during the
+        warm-up rather than whenever traffic first reaches that shape."""
+        async with openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120) as api:
+            for _ in range(waves):
+                await asyncio.gather(
+                    *(self.chat(api, 3 * i) for i in range(PEAK_ROWS)),  # n = 1 each
+                    return_exceptions=True,  # a queue overflow's 503 is expected here
+                )
+
     async def round(self, seconds: float) -> None:
         until = time.monotonic() + seconds
         await asyncio.gather(*(self.client(k, until) for k in range(self.clients)))
@@ -295,6 +308,7 @@ class Soak:
     def run(self, seconds: float, sample_s: float, warmup_s: float) -> Report:
         report = Report()
         started = time.monotonic()
+        asyncio.run(self.peak())
         while time.monotonic() - started < seconds:
             asyncio.run(self.round(min(sample_s, seconds - (time.monotonic() - started))))
             report.samples.append(self.sample(started))
