@@ -305,7 +305,7 @@ class Soak:
             kv_pages_cached=info["kv_pages"]["cached"],
         )
 
-    def run(self, seconds: float, sample_s: float, warmup_s: float, rss_growth: float = RSS_GROWTH) -> Report:
+    def run(self, seconds: float, sample_s: float, warmup_s: float) -> Report:
         report = Report()
         started = time.monotonic()
         asyncio.run(self.peak())
@@ -314,21 +314,21 @@ class Soak:
             report.samples.append(self.sample(started))
             print(json.dumps(asdict(report.samples[-1])), flush=True)
         report.tallies, report.errors = dict(self.tally), self.errors
-        report.checks = check(report.samples, warmup_s, rss_growth)
+        report.checks = check(report.samples, warmup_s)
         return report
 
 
-def check(samples: list[Sample], warmup_s: float, rss_growth: float = RSS_GROWTH) -> list[str]:
+def check(samples: list[Sample], warmup_s: float) -> list[str]:
     """The checks that fail: after the baseline (the first sample at or after ``warmup_s``), RSS within
-    ``rss_growth`` of it, no page in use, descriptors, threads and asyncio tasks as at the baseline."""
+    :data:`RSS_GROWTH`, no page in use, descriptors, threads and asyncio tasks as at the baseline."""
     after = [s for s in samples if s.elapsed_s >= warmup_s]
     if len(after) < 2:
         return [f"fewer than two samples after the warm-up of {warmup_s:.0f} s: nothing to compare"]
     base, failed = after[0], []
     for s in after[1:]:
         at = f"at {s.elapsed_s:.0f} s"
-        if s.rss_kib > base.rss_kib * (1 + rss_growth):
-            failed.append(f"RSS {base.rss_kib} -> {s.rss_kib} KiB {at}: more than {rss_growth:.0%}")
+        if s.rss_kib > base.rss_kib * (1 + RSS_GROWTH):
+            failed.append(f"RSS {base.rss_kib} -> {s.rss_kib} KiB {at}: more than {RSS_GROWTH:.0%}")
         for name in ("fds", "threads", "asyncio_tasks"):
             if getattr(s, name) != getattr(base, name):
                 failed.append(f"{name} {getattr(base, name)} -> {getattr(s, name)} {at}")
@@ -377,14 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-s", type=float, default=60.0, help="seconds between two samples")
     parser.add_argument("--warmup-s", type=float, default=300.0, help="seconds before the baseline sample")
     parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--rss-growth", type=float, default=RSS_GROWTH, help="the RSS growth allowed, a share")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the samples, tallies, errors and failed checks here")
     parser.add_argument("--server-log", type=Path, default=Path("soak-server.log"))
     args = parser.parse_args(own)
     with own_server(server_flags, args.server_log) as (url, pid):
-        soak = Soak(url, pid, args.clients, args.seed)
-        report = soak.run(args.minutes * 60, args.sample_s, args.warmup_s, args.rss_growth)
+        report = Soak(url, pid, args.clients, args.seed).run(args.minutes * 60, args.sample_s, args.warmup_s)
     if args.json:
         args.json.write_text(json.dumps(asdict(report), indent=1))
     print(json.dumps({"tallies": report.tallies, "errors": report.errors[:20], "failed_checks": report.checks}))
