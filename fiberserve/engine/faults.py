@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import enum
 import threading
-import time
 from dataclasses import dataclass, field
 
 
@@ -35,7 +34,8 @@ class InjectedFault(RuntimeError):
 @dataclass
 class FaultInjector:
     rate: float = 0.0
-    #: When > 0, a chosen step sleeps this long, then goes on, instead of raising (exercises --invocation-timeout).
+    #: When > 0, a chosen step sleeps this long (or until ``release_hangs``), then goes on, instead of raising
+    #: (exercises --invocation-timeout).
     hang_seconds: float = 0.0
     #: Where in a step the fault fires.
     point: FaultPoint = FaultPoint.START
@@ -43,6 +43,13 @@ class FaultInjector:
     calls: int = 0
     injected: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _release: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def release_hangs(self) -> None:
+        """Ends every hang now under way (each then goes on as if its time were up); later hangs wait again."""
+        with self._lock:
+            release, self._release = self._release, threading.Event()
+        release.set()
 
     def maybe_fail(self, point: FaultPoint) -> None:
         """Called at both points of every step, on the fiber's worker thread; counts and fires at ``self.point``."""
@@ -53,9 +60,10 @@ class FaultInjector:
             fire = int(self.calls * self.rate) > int((self.calls - 1) * self.rate)
             if fire:
                 self.injected += 1
+            release = self._release
         if not fire:
             return
         if self.hang_seconds:
-            time.sleep(self.hang_seconds)
+            release.wait(self.hang_seconds)
             return
         raise InjectedFault("injected model fault (--fault-rate)")

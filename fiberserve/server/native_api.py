@@ -134,7 +134,8 @@ async def profile(request: Request) -> Response:
 
 @router.post("/debug/faults", include_in_schema=False)
 async def set_faults(request: Request) -> dict:
-    """Retune fault injection; exists only on a server started with --fault-rate (testing)."""
+    """Retune fault injection; exists only on a server started with --fault-rate (testing).  ``"release": true``
+    also ends every hang under way."""
     state = _state(request)
     service = state.ready_service()
     if not state.config.engine.fault_rate:
@@ -142,14 +143,20 @@ async def set_faults(request: Request) -> dict:
     try:
         body = await request.json()
         rate, hang = float(body.get("rate", 0.0)), float(body.get("hang_seconds", 0.0))
-        point = FaultPoint(body.get("point", "start"))
+        point, release = FaultPoint(body.get("point", "start")), body.get("release", False)
+        if not isinstance(release, bool):
+            raise TypeError("release")
     except (ValueError, TypeError, AttributeError):
         raise ApiError(
-            400, 'body: expected {"rate": float, "hang_seconds": float, "point": "start" | "layers"}', "body"
+            400,
+            'body: expected {"rate": float, "hang_seconds": float, "point": "start" | "layers", "release": bool}',
+            "body",
         ) from None
     if not (0.0 <= rate <= 1.0 and 0.0 <= hang <= 60.0):
         raise ApiError(400, "rate must be in [0, 1] and hang_seconds in [0, 60]", "rate")
     service.faults.rate, service.faults.hang_seconds, service.faults.point = rate, hang, point
+    if release:
+        service.faults.release_hangs()
     return {"rate": rate, "hang_seconds": hang, "point": point.value, "injected": service.faults.injected}
 
 

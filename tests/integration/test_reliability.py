@@ -416,7 +416,7 @@ def test_fault_injection_fails_only_its_flights(start_server, model_path):
         # a hung invocation is bounded by --invocation-timeout; its fiber is replaced, and until the call returns
         # its pages are quarantined, which /health, /get_server_info and /metrics say
         with proc.client() as c:
-            c.post("/debug/faults", json={"rate": 1.0, "hang_seconds": 5, "point": "layers"})
+            c.post("/debug/faults", json={"rate": 1.0, "hang_seconds": 60, "point": "layers"})
             hung = c.post(G, json={"text": "Hello", "sampling_params": params})
             assert hung.status_code == 500 and "ran past 2s" in hung.json()["error"]["message"]
             c.post("/debug/faults", json={"rate": 0})
@@ -426,12 +426,14 @@ def test_fault_injection_fails_only_its_flights(start_server, model_path):
             assert health["status"] == "ok" and fiber.startswith("fiber-") and held > 0 and not others
             assert c.get("/get_server_info").json()["kv_pages"]["quarantined"] == {fiber: held}
             assert f'fiberserve_kv_pages_quarantined{{fiber="{fiber}"}} {held}.0' in c.get("/metrics").text
+            assert c.post("/debug/faults", json={"rate": 0, "release": True}).status_code == 200
             for _ in range(100):
                 if "quarantined_kv_pages" not in c.get("/health").json():
                     break
                 time.sleep(0.1)
             assert c.get("/health").json() == {"status": "ok"}
             assert c.post("/debug/faults", json={"point": "nowhere"}).status_code == 400
+            assert c.post("/debug/faults", json={"release": "yes"}).status_code == 400
         info = proc.assert_idle()
         assert info["pool"]["size"] == 2 and info["pool"]["retired"] >= 1
     finally:
