@@ -397,9 +397,10 @@ def exact_weights(blocks: QuantBlocks) -> torch.Tensor:
 @pytest.mark.parametrize("kind", QUANT_FORMATS)
 def test_quant_linear_is_exact_block_arithmetic_and_rows_are_exact_at_any_count(kind):
     """The result is the float64 product of the dequantized weights and the int8-quantized rows, up to
-    float32 rounding; a row gets the same bits in one row tile, in several, and in the last, partial one."""
+    float32 rounding; a row gets the same bits in one row tile, in several, in the last, partial one, and alone
+    (where a thread's tile takes several column groups at once: 21 column blocks, the last group partial)."""
     torch.manual_seed(5)
-    n, k = 48, 1536
+    n, k = 336, 1536
     blocks = random_blocks(n, k, kind)
     bias = torch.randn(n)
     x = torch.randn(13, k).bfloat16()
@@ -459,11 +460,12 @@ def gated_and_plain(kernel: str, gate: torch.Tensor, up: torch.Tensor, bias: tor
 @pytest.mark.parametrize("kernel", ["bf16", "int4", "bytes per 16"])
 def test_a_gated_product_is_silu_mul_of_the_product_bit_for_bit(kernel):
     """SiLU x up in the product's epilogue (GateUp) gives the bits of the product rounded to its dtype and
-    silu_mul after it, at every row count (1 to 13 and 40 rows: one row tile, several, split between threads)."""
+    silu_mul after it, at every row count (1 to 13 and 40 rows: one row tile, several, split between threads; one
+    row: several gate/up pairs in a tile)."""
     if not (kernels.bf16_gemm_available() if kernel == "bf16" else kernels.quant_gemm_available()):
         pytest.skip(f"this CPU has no {kernel} kernel")
     torch.manual_seed(8)
-    features, k = 96, 576
+    features, k = 192, 576
     gate, up = torch.randn(features, k) * 0.2, torch.randn(features, k) * 0.2
     gated, plain = gated_and_plain(kernel, gate, up, torch.randn(2 * features))
     x = torch.randn(40, k).bfloat16()

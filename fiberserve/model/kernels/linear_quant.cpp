@@ -32,7 +32,10 @@
 //
 // Weights arrive from memory (a decode step reads every layer's once, more than the caches hold), so each thread
 // prefetches its next column group's weights, scales and mins a few lines per row tile, and the group's first
-// tile does not wait for them.
+// tile does not wait for them.  A single row (one sequence decoding) has too little arithmetic to hide memory
+// behind: its tile takes kOneRowGroups column groups at once, that many column blocks' weights read side by side,
+// which the hardware prefetchers follow as separate streams (one core draws more bandwidth from several streams
+// than from two).
 //
 // Batch invariance: a row is quantized on its own, and each output is accumulated group by group in order in its
 // own lane, so a row gets the same bits alone, in any batch, at any row count.
@@ -70,6 +73,11 @@ constexpr int kGroup = 32;   // inputs per quantization block
 constexpr int kSteps = 8;    // 4-input steps per quantization block
 constexpr int64_t kCols = 2;  // column blocks per tile: 32 output features
 constexpr int kRows = 6;     // rows per tile: 6 x 2 int32 sums + 6 x 2 float sums
+#if FIBERSERVE_QUANT_TILES == 512
+constexpr int64_t kOneRowGroups = 2;  // column groups a one-row tile takes at once: 4 column blocks, 4 streams
+#else
+constexpr int64_t kOneRowGroups = 1;  // the AVX2 tile walks its column blocks one at a time
+#endif
 
 // The rows of x, quantized: xq int8 [M, K]; per block of 32, dx, sx = dx * sum(xq) and -128 * sum(xq); the same
 // two sums per half block, for formats whose scales cover 16 inputs.
@@ -302,9 +310,10 @@ inline void scale_group(const QuantizedRows& x, int64_t row0, int64_t b, int64_t
   }
 }
 
-// How far ahead of its reads a one-row 4- or 6-bit tile prefetches its weights: it has little arithmetic per byte,
-// so the loads it has in flight alone leave memory idle between them (docs/performance.md has the figures; the
-// 8-bit tile, with more bytes per block in flight, gains nothing measurable from it).
+// How far ahead of its reads a one-row 4- or 6-bit tile of one column group prefetches its weights: it has little
+// arithmetic per byte, so the loads it has in flight alone leave memory idle between them (docs/performance.md has
+// the figures; the 8-bit tile, with more bytes per block in flight, gains nothing measurable from it, and a tile of
+// kOneRowGroups groups, whose streams the hardware prefetchers follow, loses by it).
 constexpr int64_t kOneRowAhead = 2048;
 
 // Prefetch the cache lines kOneRowAhead bytes past `offset` into each column block's weights, for one block of
@@ -350,9 +359,10 @@ inline void six_bit_half(const QuantizedRows& x, int64_t row0, int64_t b, const 
 }
 
 // MR rows x NR column blocks of weights in format F.
-// kGated (NR = 2): block 0 holds gate outputs and block 1 the matching up outputs (see GateUp in linear.py); the
-// tile writes silu(gate) * up, one block, each input rounded to out_t first as a separate product and silu_mul
-// would see it.  Kept out of line: inlined into its column loop, the compiler allocates the 24 accumulators worse.
+// kGated (NR even): blocks 2p hold gate outputs and blocks 2p + 1 the matching up outputs (see GateUp in
+// linear.py); the tile writes silu(gate) * up, NR / 2 blocks, each input rounded to out_t first as a separate
+// product and silu_mul would see it.  Kept out of line: inlined into its column loop, the compiler allocates the 24
+// accumulators worse.
 template <int MR, int NR, typename F, bool kGated, typename out_t>
 [[gnu::noinline]] void tile(const QuantizedRows& x, int64_t row0, const ColumnBlocks<F>& cols, const float* bias,
                             out_t* out, int64_t ldo) {
@@ -369,7 +379,7 @@ template <int MR, int NR, typename F, bool kGated, typename out_t>
       for (int k = 0; k < kChains; ++k)
         for (int r = 0; r < MR; ++r)
           for (int c = 0; c < NR; ++c) sums[k][r][c] = _mm512_setzero_si512();
-      if constexpr (MR == 1) prefetch_ahead<NR, F>(cols, b * F::kBlockBytes);
+      if constexpr (MR == 1 && NR <= kCols) prefetch_ahead<NR, F>(cols, b * F::kBlockBytes);
       for (int j = 0; j < 4; ++j) {
         __m512i lo[NR], hi[NR];
         for (int c = 0; c < NR; ++c) {
@@ -383,7 +393,7 @@ template <int MR, int NR, typename F, bool kGated, typename out_t>
       join_chains(sums);
       scale_group<MR, NR, F>(x, row0, b, b, sums[0], cols, acc);
     } else if constexpr (F::kBits == 6) {
-      if constexpr (MR == 1) prefetch_ahead<NR, F>(cols, b * F::kBlockBytes);
+      if constexpr (MR == 1 && NR <= kCols) prefetch_ahead<NR, F>(cols, b * F::kBlockBytes);
       const auto half = [&](auto h) {
         constexpr int kHalf = decltype(h)::value;
         for (int r = 0; r < MR; ++r) {
@@ -424,9 +434,11 @@ template <int MR, int NR, typename F, bool kGated, typename out_t>
       if constexpr (!kGated) store(out + r * ldo + c * kBlock, acc[r][c]);
     }
   if constexpr (kGated) {
-    static_assert(NR == 2, "a gated tile is one gate block and its up block");
+    static_assert(NR % 2 == 0, "a gated tile is gate blocks, each beside its up block");
     for (int r = 0; r < MR; ++r)
-      store16(out + r * ldo, silu_times((f32x16)stored(acc[r][0], out), (f32x16)stored(acc[r][1], out)));
+      for (int p = 0; p < NR / 2; ++p)
+        store16(out + r * ldo + p * kBlock,
+                silu_times((f32x16)stored(acc[r][2 * p], out), (f32x16)stored(acc[r][2 * p + 1], out)));
   }
 }
 
@@ -466,20 +478,27 @@ struct Weights {
             m ? reinterpret_cast<const scale_t*>(m + first * dm_bytes) : nullptr, stride, dm_stride};
   }
 
-  // body(g, prefetch, next_group) for every column group g (kCols column blocks), the groups split evenly between
-  // the threads.  Each thread pulls its next group into cache during the current one's row tiles, and its share of
-  // `plan` over all its row tiles.
+  // Column blocks in the n column groups from g.
+  int64_t count(int64_t g, int64_t n) const { return std::min<int64_t>(n * kCols, column_blocks - g * kCols); }
+
+  // body(g, n, prefetch, next_group) for every step of n column groups from g (kCols column blocks each), the
+  // groups split evenly between the threads.  A single row steps kOneRowGroups full groups at a time where its
+  // thread's share has them, else (and for more rows) one.  Each thread pulls its next step's groups into cache
+  // during the current one's row tiles, and its share of `plan` over all its row tiles (a single row has no full
+  // row tile: it prefetches in its tile, see prefetch_ahead).
   template <typename Body>
   void for_each_group(int64_t M, const PrefetchPlan* plan, const Body& body) const {
+    const int64_t per_step = M == 1 ? kOneRowGroups : 1;
     at::parallel_for(0, groups(), 1, [&](int64_t begin, int64_t end) {
       PrefetchCursor prefetch = PrefetchCursor::thread_share(plan, (end - begin) * (M / kRows));
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t next = (g + 1) * kCols, next_count = g + 1 == end ? 0 : count(g + 1);
+      for (int64_t g = begin, n = 1; g < end; g += n) {
+        n = g + per_step <= end && count(g, per_step) == per_step * kCols ? per_step : 1;
+        const int64_t next = (g + n) * kCols, next_count = g + n == end ? 0 : count(g + n, std::min(n, end - g - n));
         const ByteRange ahead[3] = {{reinterpret_cast<const char*>(packed + next * stride), next_count * stride},
                                     {d + next * dm_bytes, next_count * dm_bytes},
                                     {m + next * dm_bytes, next_count * dm_bytes}};
         PrefetchCursor next_group(ahead, ahead + (next_count == 0 ? 0 : m ? 3 : 2), M / kRows);
-        body(g, prefetch, next_group);
+        body(g, n, prefetch, next_group);
       }
     });
   }
@@ -491,12 +510,14 @@ void product(const QuantizedRows& x, int64_t M, const Weights& weights, const fl
   const int64_t N = (kGated ? weights.column_blocks / 2 : weights.column_blocks) * kBlock;
   with_format(weights.format, [&](auto format) {
     using F = decltype(format);
-    weights.for_each_group(M, plan, [&](int64_t g, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
-      const int64_t first = g * kCols;
+    weights.for_each_group(M, plan, [&](int64_t g, int64_t n, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
+      const int64_t first = g * kCols, blocks = weights.count(g, n);
       const ColumnBlocks<F> cols = weights.at<F>(first);
       const float* bg = bias ? bias + first * kBlock : nullptr;
       out_t* o = out + (kGated ? g : first) * kBlock;
-      if (kGated || weights.count(g) == 2) column_group<2, F, kGated>(x, M, cols, bg, o, N, prefetch, next_group);
+      if (blocks == kOneRowGroups * kCols)
+        column_group<kOneRowGroups * kCols, F, kGated>(x, M, cols, bg, o, N, prefetch, next_group);
+      else if (kGated || blocks == kCols) column_group<kCols, F, kGated>(x, M, cols, bg, o, N, prefetch, next_group);
       else if constexpr (!kGated) column_group<1, F, false>(x, M, cols, bg, o, N, prefetch, next_group);
     });
   });
@@ -510,8 +531,8 @@ void product(const QuantizedRows& x, int64_t M, const Weights& weights, const fl
 template <int NR, typename F>
 void column_group_candidates(const QuantizedRows& x, int64_t M, const ColumnBlocks<F>& cols, int64_t first_output,
                              RowCandidates* lists, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
-  float buffer[kRows * kCols * kBlock];
-  constexpr int64_t ldo = kCols * kBlock;
+  float buffer[kRows * NR * kBlock];
+  constexpr int64_t ldo = NR * kBlock;
   for_each_row_tile<kRows>(
       0, M,
       [&](auto height, int64_t r) {
@@ -529,11 +550,13 @@ void product_candidates(const QuantizedRows& x, int64_t M, const Weights& weight
   std::vector<RowCandidates> lists = out.lists(threads, M);
   with_format(weights.format, [&](auto format) {
     using F = decltype(format);
-    weights.for_each_group(M, nullptr, [&](int64_t g, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
+    weights.for_each_group(M, nullptr, [&](int64_t g, int64_t n, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
       RowCandidates* mine = lists.data() + at::get_thread_num() * M;
       const ColumnBlocks<F> cols = weights.at<F>(g * kCols);
-      const int64_t first = g * kCols * kBlock;
-      if (weights.count(g) == 2) column_group_candidates<2, F>(x, M, cols, first, mine, prefetch, next_group);
+      const int64_t first = g * kCols * kBlock, blocks = weights.count(g, n);
+      if (blocks == kOneRowGroups * kCols)
+        column_group_candidates<kOneRowGroups * kCols, F>(x, M, cols, first, mine, prefetch, next_group);
+      else if (blocks == kCols) column_group_candidates<kCols, F>(x, M, cols, first, mine, prefetch, next_group);
       else column_group_candidates<1, F>(x, M, cols, first, mine, prefetch, next_group);
     });
   });
