@@ -12,11 +12,15 @@ GPU compiler this CPU path does not use); without it a constrained request is re
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
+import logging
+import os
 import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +31,8 @@ from fiberserve.engine.sampling_params import InvalidParameter
 KINDS = ("json_schema", "json_object", "regex", "ebnf")
 #: The time and C++ source location xgrammar puts before its messages.
 _LOG_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: ")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -51,12 +57,17 @@ def schema_text(schema: Any) -> str:
 
 class GrammarCompiler:
     """Compiles specs for one tokenizer (a :class:`.Tokenizer`); thread-safe.  The last :data:`CACHED` grammars
-    are kept (clients repeat the same schema).  Nothing is built before :meth:`prepare` or the first spec."""
+    are kept (clients repeat the same schema).  Nothing is built before :meth:`prepare` or the first spec.
+
+    ``saved_vocabulary``: where xgrammar's view of the vocabulary (its ``TokenizerInfo``, read from the tokenizer
+    in a large vocabulary's ~0.7 s) is kept between starts, as JSON; named after the xgrammar version that wrote it.
+    None: read from the tokenizer each time."""
 
     CACHED = 64
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, saved_vocabulary: Path | None = None) -> None:
         self._tokenizer, self._vocab_size = tokenizer, vocab_size
+        self._saved_vocabulary = saved_vocabulary
         self._compiler: Any = None  #: xgrammar's GrammarCompiler, made on first use
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
@@ -70,8 +81,25 @@ class GrammarCompiler:
     def _ready(self, xgr: Any) -> None:
         with self._lock:
             if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer.hf, vocab_size=self._vocab_size)
-                self._compiler = xgr.GrammarCompiler(info)
+                self._compiler = xgr.GrammarCompiler(self._vocabulary(xgr))
+
+    def _vocabulary(self, xgr: Any) -> Any:
+        """xgrammar's TokenizerInfo: the saved one where this xgrammar version saved it, else read and saved."""
+        saved = self._saved_vocabulary
+        if saved is not None:
+            saved = saved.with_name(f"{saved.stem}-xgrammar-{importlib.metadata.version('xgrammar')}{saved.suffix}")
+            with contextlib.suppress(OSError, ValueError, RuntimeError):  # absent or unreadable: read it again
+                return xgr.TokenizerInfo.deserialize_json(saved.read_text())
+        info = xgr.TokenizerInfo.from_huggingface(self._tokenizer.hf, vocab_size=self._vocab_size)
+        if saved is not None:
+            try:
+                saved.parent.mkdir(parents=True, exist_ok=True)
+                partial = saved.with_suffix(f".{os.getpid()}.partial")
+                partial.write_text(info.serialize_json())
+                partial.replace(saved)  # whole or absent, whoever reads it
+            except OSError as exc:  # a read-only cache only costs time
+                log.warning("could not save the grammar vocabulary in %s: %s", saved, exc)
+        return info
 
     def compile(self, spec: GrammarSpec) -> Any:
         """The compiled grammar; :class:`InvalidParameter` naming ``spec.field`` if it does not compile."""

@@ -45,7 +45,7 @@ from fiberserve.model.block_formats import NATIVE_BITS
 from fiberserve.model.config import ModelConfig
 from fiberserve.model.llama import KVCache, LlamaModel
 from fiberserve.model.loader import Checkpoint, load_checkpoint
-from fiberserve.model.tokenizer import Tokenizer, load_tokenizer
+from fiberserve.model.tokenizer import Tokenizer, load_tokenizer, tokenizer_cache
 from fiberserve.runtime import FiberPool, InvocationTimeout, Isolation, Program
 from fiberserve.runtime.allocator import keep_freed_buffers, return_freed_buffers, trim_freed_memory
 from fiberserve.runtime.cpu_share import ThreadTeams
@@ -231,7 +231,8 @@ def _one_intra_op_thread() -> Iterator[None]:
 def _load_text_side(path: str, cache_dir: str | None, model_config: ModelConfig) -> tuple[Tokenizer, GrammarCompiler]:
     """The model's tokenizer and its grammar compiler, prepared (at start, not in the first constrained request)."""
     tokenizer = load_tokenizer(path, cache_dir, model_config.eos_token_ids)
-    grammars = GrammarCompiler(tokenizer, model_config.vocab_size)
+    saved = tokenizer_cache(path, cache_dir)
+    grammars = GrammarCompiler(tokenizer, model_config.vocab_size, saved and saved / "grammar-vocabulary.json")
     grammars.prepare()
     return tokenizer, grammars
 

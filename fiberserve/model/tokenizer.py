@@ -146,6 +146,13 @@ def _cache_key(path: Path) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
+def tokenizer_cache(model_path: str | Path, cache_dir: str | Path | None) -> Path | None:
+    """The folder under ``cache_dir`` that keeps what is read from a GGUF file's tokenizer (None for a Hugging
+    Face directory, whose tokenizer files are read as they are, or without a cache)."""
+    path = Path(model_path)
+    return Path(cache_dir) / "tokenizers" / _cache_key(path) if cache_dir and not path.is_dir() else None
+
+
 def load_tokenizer(model_path: str | Path, cache_dir: str | Path | None, extra_eos_ids=()) -> Tokenizer:
     """The tokenizer of a GGUF file (cached under ``cache_dir``) or a Hugging Face directory."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -156,7 +163,7 @@ def load_tokenizer(model_path: str | Path, cache_dir: str | Path | None, extra_e
     path = Path(model_path)
     if path.is_dir():
         return Tokenizer(AutoTokenizer.from_pretrained(str(path)), extra_eos_ids)
-    saved = Path(cache_dir) / "tokenizers" / _cache_key(path) if cache_dir else None
+    saved = tokenizer_cache(path, cache_dir)
     if saved is not None and (saved / "tokenizer.json").is_file():
         return Tokenizer(AutoTokenizer.from_pretrained(str(saved)), extra_eos_ids)
     hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

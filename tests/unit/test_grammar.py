@@ -40,3 +40,40 @@ def test_a_state_masks_all_but_the_grammar_and_ends_with_it(tokenizer):
         assert state.accept(allowed[0])
         text += tokenizer.decode([allowed[0]])
     assert text == "ab"
+
+
+def allowed_tokens(compiler: GrammarCompiler, regex: str, steps: int) -> list[list[int]]:
+    """The tokens a regex's grammar allows at each of its first ``steps`` steps, taking the first allowed."""
+    import torch
+
+    state, allowed = GrammarState(compiler.compile(GrammarSpec("regex", regex, "regex")), frozenset()), []
+    for _ in range(steps):
+        row = torch.zeros(compiler._vocab_size)
+        state.mask(row)
+        allowed.append((row == 0).nonzero().flatten().tolist())
+        assert state.accept(allowed[-1][0])
+    return allowed
+
+
+def test_the_vocabulary_is_saved_once_and_read_back_as_it_was_read(tokenizer, tmp_path):
+    """The first start saves xgrammar's view of the vocabulary, named after the xgrammar version; a later one
+    reads it and constrains exactly as the tokenizer's own reading does; a damaged file is read again and
+    replaced."""
+    import importlib.metadata
+
+    saved = tmp_path / "cache" / "grammar-vocabulary.json"
+    written = tmp_path / "cache" / f"grammar-vocabulary-xgrammar-{importlib.metadata.version('xgrammar')}.json"
+    first = GrammarCompiler(tokenizer, tokenizer.vocab_size, saved)
+    first.prepare()
+    assert written.is_file() and [p.name for p in written.parent.iterdir()] == [written.name]
+    regex = r"[a-z]{2,5}\d+ (yes|no)"
+    reference = allowed_tokens(GrammarCompiler(tokenizer, tokenizer.vocab_size), regex, 4)
+    assert allowed_tokens(first, regex, 4) == reference
+    content, inode = written.read_bytes(), written.stat().st_ino
+    again = GrammarCompiler(tokenizer, tokenizer.vocab_size, saved)
+    assert allowed_tokens(again, regex, 4) == reference
+    assert written.stat().st_ino == inode  # read, not written again (a save replaces the file)
+    written.write_text('{"truncated":')
+    repaired = GrammarCompiler(tokenizer, tokenizer.vocab_size, saved)
+    assert allowed_tokens(repaired, regex, 4) == reference
+    assert written.read_bytes() == content and written.stat().st_ino != inode
