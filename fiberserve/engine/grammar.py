@@ -59,8 +59,8 @@ class GrammarCompiler:
     """Compiles specs for one tokenizer (a :class:`.Tokenizer`); thread-safe.  The last :data:`CACHED` grammars
     are kept (clients repeat the same schema).  Nothing is built before :meth:`prepare` or the first spec.
 
-    ``saved_vocabulary``: where xgrammar's view of the vocabulary (its ``TokenizerInfo``, read from the tokenizer
-    in a large vocabulary's ~0.7 s) is kept between starts, as JSON; named after the xgrammar version that wrote it.
+    ``saved_vocabulary``: where xgrammar's view of the vocabulary (its ``TokenizerInfo``, slow to read from a
+    large vocabulary's tokenizer) is kept between starts, as JSON; named after the xgrammar version that wrote it.
     None: read from the tokenizer each time."""
 
     CACHED = 64
@@ -92,13 +92,14 @@ class GrammarCompiler:
                 return xgr.TokenizerInfo.deserialize_json(saved.read_text())
         info = xgr.TokenizerInfo.from_huggingface(self._tokenizer.hf, vocab_size=self._vocab_size)
         if saved is not None:
+            partial = saved.with_suffix(f".{os.getpid()}.partial")
             try:
                 saved.parent.mkdir(parents=True, exist_ok=True)
-                partial = saved.with_suffix(f".{os.getpid()}.partial")
                 partial.write_text(info.serialize_json())
                 partial.replace(saved)  # whole or absent, whoever reads it
-            except OSError as exc:  # a read-only cache only costs time
+            except OSError as exc:  # a read-only or full cache only costs time
                 log.warning("could not save the grammar vocabulary in %s: %s", saved, exc)
+                partial.unlink(missing_ok=True)
         return info
 
     def compile(self, spec: GrammarSpec) -> Any:

@@ -491,7 +491,7 @@ struct Weights {
     const int64_t per_step = M == 1 ? kOneRowGroups : 1;
     at::parallel_for(0, groups(), 1, [&](int64_t begin, int64_t end) {
       PrefetchCursor prefetch = PrefetchCursor::thread_share(plan, (end - begin) * (M / kRows));
-      for (int64_t g = begin, n = 1; g < end; g += n) {
+      for (int64_t g = begin, n; g < end; g += n) {
         n = g + per_step <= end && count(g, per_step) == per_step * kCols ? per_step : 1;
         const int64_t next = (g + n) * kCols, next_count = g + n == end ? 0 : count(g + n, std::min(n, end - g - n));
         const ByteRange ahead[3] = {{reinterpret_cast<const char*>(packed + next * stride), next_count * stride},
