@@ -84,7 +84,8 @@ def write_model(path: Path, shape: dict[str, int], kind: str, seed: int = 0) -> 
 MEASURE = """
 import json, os, sys, time
 import torch
-from fiberserve.model import kernels, load_checkpoint, LlamaModel
+from fiberserve import kernels
+from fiberserve.model import load_checkpoint, LlamaModel
 from fiberserve.runtime.allocator import return_freed_buffers
 def status(key):  # this process's own figures (ru_maxrss would keep the parent's from before the exec)
     line = next(l for l in open("/proc/self/status") if l.startswith(key + ":"))

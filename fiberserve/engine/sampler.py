@@ -23,10 +23,10 @@ from collections.abc import Sequence as Rows
 
 import torch
 
+from fiberserve import kernels
 from fiberserve.engine.sampling_noise import row_seed
 from fiberserve.engine.sampling_params import SamplingParams
 from fiberserve.engine.sequence import Sequence, TokenLogprob
-from fiberserve.model import kernels
 from fiberserve.model.llama import argmax_rows
 from fiberserve.model.small_tensors import tensor_of
 

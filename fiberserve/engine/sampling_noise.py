@@ -2,7 +2,7 @@
 
 A sequence's key comes from its request's seed (or is random) and its index among the request's completions; the
 position is that of the token being drawn.  :func:`row_seed` mixes the two into the 64-bit seed of that draw, and
-the kernels derive each token's Gumbel noise from it (``model/kernels/race.h``).  No generator state is kept, so a
+the kernels derive each token's Gumbel noise from it (``kernels/csrc/race.h``).  No generator state is kept, so a
 draw does not depend on the batch, on the order of draws, on preemption or on whether the token was drafted.
 """
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from fiberserve import kernels
 from fiberserve.config import EngineConfig
 from fiberserve.engine.faults import FaultInjector
 from fiberserve.engine.flight import Flight, FlightResult
@@ -39,7 +40,6 @@ from fiberserve.engine.runner import ModelRunner
 from fiberserve.engine.sampling_params import InvalidParameter, SamplingParams
 from fiberserve.engine.scheduler import Scheduler
 from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent, TokenLogprob, tokens
-from fiberserve.model import kernels
 from fiberserve.model.assets import DEFAULT_MODEL_NAME, default_model_path
 from fiberserve.model.block_formats import NATIVE_BITS
 from fiberserve.model.config import ModelConfig

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from fiberserve.model import kernels
+from fiberserve import kernels
 from fiberserve.model.quant_blocks import QUANT_GROUP, QuantBlocks
 
 #: Fewest rows a product runs with (see module docstring).

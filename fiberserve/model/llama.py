@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from fiberserve.model import kernels
+from fiberserve import kernels
 from fiberserve.model.config import ModelConfig
 from fiberserve.model.file_rows import FileRows
 from fiberserve.model.linear import (

@@ -110,7 +110,7 @@ class QuantBlocks:
     def from_gguf(cls, raw: np.ndarray, type_name: str) -> QuantBlocks:
         """The blocks of a GGUF tensor of a :data:`NATIVE_BITS` format; ``raw`` uint8 [N, bytes per row], unpacked
         by the extension in one pass (``gguf_blocks.cpp``)."""
-        from fiberserve.model import kernels
+        from fiberserve import kernels
 
         if type_name not in NATIVE_BITS:
             raise ValueError(f"{type_name} is not served in its own blocks")

@@ -277,7 +277,7 @@ def test_any_page_size_gives_the_same_logits(tiny_dirs, page):
 def test_layer_loop_in_cpp_gives_the_python_loops_bits(tmp_path, quantization, bias):
     """``kernels.decoder_layers`` runs the same kernels in the same order as ``_layers_fused``: the same logits
     and the same K/V, bit for bit, for prefill chunks beside decode tokens (bias: Qwen2's qkv bias)."""
-    from fiberserve.model import kernels
+    from fiberserve import kernels
     from fiberserve.model.linear import quant_kernel_available
 
     kernels.load()
@@ -306,7 +306,7 @@ def test_layer_loop_in_cpp_gives_the_python_loops_bits(tmp_path, quantization, b
 def test_greedy_gives_the_argmax_of_forward(tiny_dirs, quantization):
     """``greedy`` (the int4 head keeps its top candidates as its tiles go; no logits written) picks the first
     maximum of ``forward``'s logits, row by row."""
-    from fiberserve.model import kernels
+    from fiberserve import kernels
     from fiberserve.model.linear import quant_kernel_available
 
     if quantization == "int4" and not quant_kernel_available():
@@ -328,7 +328,7 @@ def test_pick_draws_what_the_race_over_forward_draws(tiny_dirs, quantization, dt
     written; in float32 the logits are written and raced) gives exactly ``race_rows`` over ``forward``'s re-scored
     logits for sampled rows and the argmax for greedy ones, whether the winner is among the re-scored candidates
     or not."""
-    from fiberserve.model import kernels
+    from fiberserve import kernels
     from fiberserve.model.linear import quant_kernel_available
     from fiberserve.model.llama import REFINED_LOGITS
 
@@ -361,8 +361,8 @@ def test_default_quantization_is_the_files_own_where_int4_is_faster(tmp_path, ti
     too large for a bf16 copy (this one is small)."""
     import gguf
 
+    from fiberserve import kernels
     from fiberserve.engine.service import resolve_quantization
-    from fiberserve.model import kernels
 
     cfg = {**TINY, "hidden_size": 256, "intermediate_size": 512}  # K formats quantize rows of 256
     kind = None if qtype is None else gguf.GGMLQuantizationType[qtype]

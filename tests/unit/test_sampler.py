@@ -11,11 +11,11 @@ import pytest
 import torch
 from scipy import stats
 
+from fiberserve import kernels
 from fiberserve.engine.sampler import NUCLEUS_CANDIDATES, adjust_logits, sample
 from fiberserve.engine.sampling_noise import row_seed, sampling_key
 from fiberserve.engine.sampling_params import SamplingParams
 from fiberserve.engine.sequence import Sequence
-from fiberserve.model import kernels
 from fiberserve.model.tokenizer import IncrementalDetokenizer
 
 STOP = 3

@@ -89,8 +89,8 @@ def test_token_slice_equals_slicing_all_tokens():
 def test_greedy_sampling_picks_the_first_maximum_and_survives_nan_rows():
     import torch
 
+    from fiberserve import kernels
     from fiberserve.engine.sampler import sample
-    from fiberserve.model import kernels
 
     kernels.load()  # the sampler's argmax kernel serves once the model has built the kernels
     greedy = SamplingParams(temperature=0)

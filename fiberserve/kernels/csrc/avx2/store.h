@@ -1,4 +1,4 @@
-// The AVX2 tiles' epilogue (tiles/linear_bf16_avx2.h, tiles/linear_quant_avx2.h): a tile's float32 sums, which it leaves in a
+// The AVX2 tiles' epilogue (avx2/linear_bf16.h, avx2/linear_quant.h): a tile's float32 sums, which it leaves in a
 // buffer, plus bias, to the product's output.
 
 #pragma once

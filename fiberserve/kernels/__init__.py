@@ -1,4 +1,4 @@
-"""CPU kernels in C++ for the decoder layer, compiled on first use and cached by PyTorch's extension loader.
+"""CPU kernels in C++ for the decoder layer, registered as ``torch.ops.fiberserve.*`` by :func:`load`.
 
 * :func:`paged_attention`: each row attends to its own sequence's keys, read in place through the page table;
 * :func:`add_rms_norm`, :func:`rope_store`, :func:`silu_mul`: the elementwise and row-wise work between the
@@ -6,120 +6,35 @@
 * :func:`decoder_layers`: the whole loop over the layers in C++ when every product runs on this extension's
   kernels (no Python frame or dispatcher call per kernel).
 
-Every kernel computes a row from that row alone, in a fixed order (``simd/vec16.h``), so the rows are batch
-invariant in every dtype.  The sources are plain C++ with GCC/Clang vector extensions (intrinsics only for
-instructions they cannot spell: the products' tiles, vdpbf16ps); ``-march=native`` picks AVX-512 where the
-CPU has it, and elsewhere the 16-lane vectors are pairs of 8-lane halves (``simd/vec16_halves.h``: GCC compiles
-the 64-byte vector type to scalar code there).
+Every kernel computes a row from that row alone, in a fixed order (``csrc/simd/vec16.h``), so the rows are batch
+invariant in every dtype.  The sources (``csrc/``) are plain C++ with GCC/Clang vector extensions (intrinsics only
+for instructions they cannot spell: the products' tiles, vdpbf16ps); a build for AVX-512 compiles the 16-lane
+vectors to single registers, one for AVX2 to pairs of 8-lane halves (``csrc/simd/vec16_halves.h``), and the AVX2
+and AMX tiles have folders of their own.
 
-:func:`load` builds them once per machine (a minute or two; later processes reuse the build under
-``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``) and registers ``torch.ops.fiberserve.*``.  It needs
-a C++ compiler (g++ or clang++); ninja comes with the project's dependencies.  The build targets this CPU
-(``-march=native``) unless ``FIBERSERVE_KERNEL_ARCH`` names another target (e.g. ``x86-64-v3``: AVX2 and FMA
-only), so one machine can build and test the paths of CPUs it is not.  Which file holds which op, for which
-instruction sets, and which test covers it: ``README.md`` here.
+The install compiles one build per x86-64 level (``variants.py``) and :func:`load` registers the best one this CPU
+runs (``loader.py``; ``FIBERSERVE_KERNEL_VARIANT`` forces another).  This module holds each op's Python wrapper
+and contract; which file holds which op, for which instruction sets, and which test covers it: ``README.md`` here.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import os
-import subprocess
-import threading
 import warnings
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from fiberserve.kernels.loader import load as load
+from fiberserve.kernels.loader import loaded as loaded
+from fiberserve.kernels.loader import target_isa as target_isa
+from fiberserve.kernels.loader import variant as variant
+from fiberserve.kernels.variants import VARIANT_ENV as VARIANT_ENV
+from fiberserve.kernels.variants import VariantError as VariantError
 from fiberserve.model.block_formats import IQ4_NL_VALUES
 from fiberserve.model.config import ModelConfig
 from fiberserve.model.quant_blocks import QuantBlocks
 
-_HERE = Path(__file__).parent
-_SOURCES = [
-    _HERE / name
-    for name in (
-        "registration.cpp",
-        "paged_attention.cpp",
-        "elementwise.cpp",
-        "linear_bf16.cpp",
-        "linear_quant.cpp",
-        "quant_pack.cpp",
-        "gguf_blocks.cpp",
-        "top_k.cpp",
-        "decoder_layers.cpp",
-    )
-]
-_HEADERS = sorted(_HERE.rglob("*.h"))
-#: The environment variable that overrides the compiler's target (``-march``); unset: this CPU.
-ARCH_ENV = "FIBERSERVE_KERNEL_ARCH"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_lock = threading.Lock()
-_loaded = False
-
-
-def load() -> None:
-    """Compile (once per machine) and register the kernels in this process; idempotent and thread-safe."""
-    global _loaded
-    with _lock:
-        if _loaded:
-            return
-        from torch.utils.cpp_extension import load as load_extension
-
-        # The build is named after its sources and headers: checkouts of different versions on one machine
-        # (a clone next to a working tree) each keep their own build instead of rebuilding over the other's,
-        # and a changed header rebuilds too (PyTorch itself only watches the sources and flags).
-        # The target is part of the name too, so builds for different targets live side by side.
-        sources = b"".join(p.read_bytes() for p in [*_SOURCES, *_HEADERS])
-        digest = hashlib.sha256(sources + target_arch().encode()).hexdigest()[:16]
-        load_extension(
-            name=f"fiberserve_kernels_{digest}",
-            sources=[str(s) for s in _SOURCES],
-            extra_cflags=["-O3", f"-march={target_arch()}", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(_HERE)],
-            is_python_module=False,
-        )
-        _loaded = True
-
-
-def target_arch() -> str:
-    """The compiler's target for the kernels: ``$FIBERSERVE_KERNEL_ARCH``, or ``native`` (this CPU)."""
-    return os.environ.get(ARCH_ENV, "").strip() or "native"
-
-
-#: The compiler's macros for the instruction sets the kernels choose between, by their /proc/cpuinfo names.
-_ISA_MACROS = {
-    "__AVX2__": "avx2",
-    "__FMA__": "fma",
-    "__F16C__": "f16c",
-    "__AVX512F__": "avx512f",
-    "__AVX512BF16__": "avx512_bf16",
-    "__AVX512VNNI__": "avx512_vnni",
-    "__AMX_BF16__": "amx_bf16",
-}
-
-
-@functools.cache
-def target_isa() -> frozenset[str]:
-    """The instruction sets the kernels are compiled for (as /proc/cpuinfo names them): those of
-    :func:`target_arch` according to the compiler, which for ``native`` are this CPU's."""
-    compiler = os.environ.get("CXX", "c++")
-    macros = subprocess.run(
-        [compiler, f"-march={target_arch()}", "-dM", "-E", "-x", "c++", "/dev/null"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    defined = {line.split()[1] for line in macros.splitlines() if line.startswith("#define ")}
-    return frozenset(flag for macro, flag in _ISA_MACROS.items() if macro in defined)
-
-
-def loaded() -> bool:
-    """Whether :func:`load` has run in this process (the ops are registered)."""
-    return _loaded
 
 
 def supports(config: ModelConfig, dtype: torch.dtype) -> bool:

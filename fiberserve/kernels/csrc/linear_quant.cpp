@@ -40,7 +40,7 @@
 // Batch invariance: a row is quantized on its own, and each output is accumulated group by group in order in its
 // own lane, so a row gets the same bits alone, in any batch, at any row count.
 //
-// Compiled where the compiler targets AVX512-VNNI, or AVX2 (tiles/linear_quant_avx2.h); quant_gemm_available() says whether it was.
+// Compiled where the compiler targets AVX512-VNNI, or AVX2 (avx2/linear_quant.h); quant_gemm_available() says whether it was.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -51,11 +51,11 @@
 
 #include "ops.h"
 #include "simd/prefetch.h"
-#include "tiles/row_tiles.h"
+#include "row_tiles.h"
 #include "race.h"
 #include "simd/vec16.h"
 
-// The row tiles: AVX512-VNNI's below, or AVX2's (tiles/linear_quant_avx2.h, the same bits); the rest of the file serves both.
+// The row tiles: AVX512-VNNI's below, or AVX2's (avx2/linear_quant.h, the same bits); the rest of the file serves both.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define FIBERSERVE_QUANT_TILES 512
 #include <immintrin.h>
@@ -185,7 +185,7 @@ struct ColumnBlocks {
 }  // namespace fiberserve
 
 #if FIBERSERVE_QUANT_TILES == 256
-#include "tiles/linear_quant_avx2.h"
+#include "avx2/linear_quant.h"
 #endif
 
 namespace fiberserve {

@@ -1,7 +1,7 @@
 // Paged attention for CPU: every query row attends to its own sequence's keys, read in place from the
 // KV cache through the sequence's page table.
 //
-// Contract (see fiberserve/model/kernels/__init__.py for the Python side):
+// Contract (see fiberserve/kernels/__init__.py for the Python side):
 //   q        [T, H, D]          float32 / bfloat16 / float16; rows may be strided, heads and dims packed
 //   k, v     [slots, KVH, D]    one layer of the cache, same dtype as q, contiguous
 //   pages    int32 [S, P]       page table of each sequence (span); slot = page * page_size + offset

@@ -18,7 +18,7 @@
 
 #include <immintrin.h>
 
-#include "tiles/store_avx2.h"
+#include "avx2/store.h"
 
 namespace fiberserve {
 namespace {

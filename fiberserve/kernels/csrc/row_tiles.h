@@ -25,7 +25,7 @@ inline void last_tile(int64_t rows, int64_t r, const Tile& tile) {
 // Packed (kBalanced false): tiles of kRows rows and one last tile of the 1..kRows-1 rows left (if any), and
 // after_full() after each full tile.  Balanced: ceil(rows / kRows) tiles whose heights differ by one at most (16
 // rows at kRows = 5: 4 + 4 + 4 + 4, not 5 + 5 + 5 + 1), for tiles that a row or two leave waiting on their few
-// sums' latency (tiles/linear_bf16_avx2.h), and after_full() after each.
+// sums' latency (avx2/linear_bf16.h), and after_full() after each.
 template <int kRows, bool kBalanced = false, typename Tile, typename AfterFull>
 inline void for_each_row_tile(int64_t r, int64_t end, const Tile& tile, const AfterFull& after_full) {
   if constexpr (kBalanced) {

@@ -28,7 +28,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 
 bool bf16_gemm_available();
 
-// Whether bf16_linear runs on AMX tiles (tiles/linear_bf16_amx.h) in this process; allow >= 0 first allows (1) or forbids
+// Whether bf16_linear runs on AMX tiles (amx/linear_bf16.h) in this process; allow >= 0 first allows (1) or forbids
 // (0) them, for comparisons.  Forbidding changes the products' bits: switch before a model runs, not while.
 bool bf16_amx(int64_t allow);
 

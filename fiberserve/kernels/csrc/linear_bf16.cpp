@@ -7,8 +7,8 @@
 // any batch and at any row count (no one-row special path, unlike oneDNN's matrix-vector kernel).
 //
 // Speed (2 cores, SmolLM2-135M's 120 decoder products per step, bf16): see fiberserve/model/linear.py.
-// The row tiles: AMX's (tiles/linear_bf16_amx.h, tdpbf16ps on 16-row tiles) where the CPU has them and Linux grants them,
-// else AVX512-BF16's below, or AVX2's (tiles/linear_bf16_avx2.h, vdpbf16ps's arithmetic by multiply-adds); the rest of the
+// The row tiles: AMX's (amx/linear_bf16.h, tdpbf16ps on 16-row tiles) where the CPU has them and Linux grants them,
+// else AVX512-BF16's below, or AVX2's (avx2/linear_bf16.h, vdpbf16ps's arithmetic by multiply-adds); the rest of the
 // file serves all three.  bf16_gemm_available() says whether any was compiled, bf16_amx() whether AMX runs.
 
 #include <ATen/ATen.h>
@@ -21,7 +21,7 @@
 
 #include "ops.h"
 #include "simd/prefetch.h"
-#include "tiles/row_tiles.h"
+#include "row_tiles.h"
 #include "race.h"
 #include "simd/vec16.h"
 
@@ -29,10 +29,10 @@
 #define FIBERSERVE_BF16_TILES 512
 #include <immintrin.h>
 
-#include "tiles/linear_bf16_amx.h"
+#include "amx/linear_bf16.h"
 #elif defined(__AVX2__) && defined(__FMA__)
 #define FIBERSERVE_BF16_TILES 256
-#include "tiles/linear_bf16_avx2.h"
+#include "avx2/linear_bf16.h"
 #endif
 
 namespace fiberserve {
@@ -200,7 +200,7 @@ void blocks_of(const Row* x, int64_t rows, int64_t ldx, const uint16_t* w, int64
   }
 }
 
-// A product's row tiles: the vdpbf16ps (or AVX2) tiles above, kRows rows each, or AMX's (tiles/linear_bf16_amx.h), 16
+// A product's row tiles: the vdpbf16ps (or AVX2) tiles above, kRows rows each, or AMX's (amx/linear_bf16.h), 16
 // rows each.  Scope: what a thread's share of a product holds while it runs (AMX: the tile configuration).
 struct VectorTiles {
   static constexpr int64_t kHeight = kRows;
