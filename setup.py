@@ -35,6 +35,12 @@ def wanted_variants() -> list:
     return [by_name[name] for name in names] if names else list(variants.PREBUILT)
 
 
+def remove_builds(folder: Path) -> None:
+    """Delete the kernels' builds in ``folder``: those of earlier sources would otherwise ship beside the new ones."""
+    for build in folder.glob("_kernels_*"):
+        build.unlink()
+
+
 def kernel_build() -> dict:
     """setup()'s arguments for the kernels' builds, or none where they cannot be built here."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -66,9 +72,12 @@ def kernel_build() -> dict:
             finally:
                 self.build_temp = build_temp
 
+        def run(self) -> None:
+            remove_builds(Path(self.build_lib) / "fiberserve" / "kernels")
+            super().run()
+
         def copy_extensions_to_source(self) -> None:
-            for stale in (ROOT / "fiberserve" / "kernels").glob("_kernels_*"):
-                stale.unlink()
+            remove_builds(ROOT / "fiberserve" / "kernels")
             super().copy_extensions_to_source()
 
     sources = [str((variants.SOURCE_DIR / source).relative_to(ROOT)) for source in variants.SOURCES]

@@ -21,7 +21,9 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *flags: str, cache_dir: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *flags: str, cache_dir: str, log_dir: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{self.port}.log"
@@ -38,7 +40,7 @@ class ServerProcess:
             *flags,
         ]
         self.proc = subprocess.Popen(
-            command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=cwd
         )
         self.saw_503 = False
 

@@ -1,7 +1,6 @@
 """Which build of the kernels a CPU runs, that the install's build loads with no compiler, and that a build for
 instructions this CPU lacks is refused."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ import pytest
 import torch
 
 from fiberserve.kernels import loader, variants
+from tests.without_compiler import environment_without_compiler
 
 HERE_FLAGS = variants.cpu_flags()
 ZEN3 = variants.AVX2.cpu_flags | {"sha_ni", "vaes", "vpclmulqdq"}
@@ -101,18 +101,7 @@ def test_a_build_is_named_after_its_variant_sources_and_torch(tmp_path, monkeypa
 def run_kernels(tmp_path: Path, forced: str | None) -> subprocess.CompletedProcess:
     """A fresh process that loads the kernels with no C++ compiler to be found and an empty extension cache, then
     reports the variant it registered and a product computed on it."""
-    no_compilers = tmp_path / "bin"
-    no_compilers.mkdir(exist_ok=True)
-    for compiler in ("c++", "g++", "gcc", "cc", "clang", "clang++"):
-        (no_compilers / compiler).write_text("#!/bin/sh\nexit 1\n")
-        (no_compilers / compiler).chmod(0o755)
-    env = {
-        **os.environ,
-        "PATH": f"{no_compilers}:{os.environ['PATH']}",
-        "CXX": str(no_compilers / "c++"),
-        "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"),
-    }
-    env.pop(variants.VARIANT_ENV, None)
+    env = environment_without_compiler(tmp_path)
     if forced is not None:
         env[variants.VARIANT_ENV] = forced
     code = (
