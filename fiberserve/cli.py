@@ -16,87 +16,13 @@ import sys
 import typing
 from pathlib import Path
 
-from fiberserve.config import TOOL_CALL_PARSERS, EngineConfig, ServerConfig
+from fiberserve.config import EngineConfig, ServerConfig
 
-HELP = {
-    "model": "a GGUF file (any name) or a Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)",
-    "cache_dir": "where the default model and converted tokenizers are cached ($FIBERSERVE_CACHE)",
-    "device": "cpu, cuda or cuda:N",
-    "dtype": "float32, bfloat16, or auto (bfloat16 where the hardware computes it natively)",
-    "quantization": (
-        "auto, none, or int4: llama.cpp's arithmetic on CPU (Q4_1 decoder weights, Q8_0 output head, int8 "
-        "activations per block of 32); auto is int4 for a Q4_1 GGUF (its own blocks) on a CPU without AMX "
-        "tiles, where int4 is the faster mode, else none"
-    ),
-    "fibers": "fibers in the pool = model invocations (flights) that may run at once",
-    "threads_per_fiber": "torch threads per fiber (default: CPU cores / fibers)",
-    "fit_free_cores": (
-        "narrow each fiber's thread team to the cores other processes leave free (a busy neighbour or a second "
-        "replica), and widen it back as they free them"
-    ),
-    "isolation": "program isolation: per_fiber (one instance per fiber), per_call, or none",
-    "page_size": "tokens per KV cache page",
-    "kv_cache_mb": "KV cache size in MiB (default: one sequence of the whole context, at least 256 MiB, at most a "
-    "quarter of the memory available at start)",
-    "kv_pages": "KV cache size in pages (overrides --kv-cache-mb)",
-    "max_model_len": "longest context (prompt + output) a request may use (default: the model's context length)",
-    "max_running": "most sequences running at once",
-    "max_batch_tokens": "token budget of one flight (long prompts are prefilled in chunks of this)",
-    "decode_steps": (
-        "decode steps a batch of a few plain decodes runs before it returns to the scheduler (each step's tokens "
-        "still stream at once; a new request ends the run after the current step); 1 = off"
-    ),
-    "speculative_tokens": (
-        "the longest draft a decode carries (speculative decoding by prompt lookup: the tokens that followed "
-        "the last earlier occurrence of its last 2-3 tokens; checked in the same pass, so the output is unchanged; "
-        "a draft is cut where one more token would lower the expected tokens per second, from how often the "
-        "sequence's drafts came true and the pass times seen); 0 = off"
-    ),
-    "prefix_caching": "reuse KV pages of prompt prefixes already computed",
-    "max_queue": "most sequences waiting for admission; beyond it requests get 503 at once",
-    "invocation_timeout": "seconds one model invocation may take before its flight fails and its fiber is replaced",
-    "fault_rate": (
-        "fraction of model invocations that fail on purpose (testing only; POST /debug/faults retunes it: rate, "
-        "hang_seconds, point 'start' or 'layers')"
-    ),
-    "max_n": "largest n (completions per prompt) a request may ask for",
-    "seed": "seeds the sampling seeds drawn for requests that give none (same server, same requests: same tokens)",
-    "progress": "show progress bars while fetching and loading",
-    "host": "address to bind (127.0.0.1 unless told otherwise)",
-    "port": "port to listen on",
-    "served_model_name": "model name clients see (default: the model file's name)",
-    "api_key": "require Authorization: Bearer <key> ($FIBERSERVE_API_KEY)",
-    "open_paths": "paths that need no API key",
-    "max_body_bytes": "largest request body accepted",
-    "cors_origins": "origins allowed by CORS (off when empty)",
-    "tool_call_parser": (
-        "how tool_choice 'auto' reads the model's calls: none (auto is refused) or hermes (<tool_call> JSON "
-        "blocks, as Qwen2.5 and Hermes models write them)"
-    ),
-    "shutdown_timeout": "seconds SIGTERM lets in-flight requests finish before aborting them",
-    "replicas": "replicas on Ray Serve behind this endpoint, each a whole engine (fiberserve[ray]); 0 = one process",
-    "ray_address": "the Ray cluster to join (auto, or HOST:PORT of its head); default: start a local one",
-    "prefix_routing": "send a prompt to the replica that served its prefix while load is balanced (Ray Serve)",
-    "min_replicas": "autoscaling (with --max-replicas): the fewest replicas",
-    "max_replicas": "autoscale between --min-replicas and this many replicas on requests in progress",
-    "target_ongoing_requests": "autoscaling: requests in progress per replica it aims at",
-    "autoscale_delay_s": "autoscaling: seconds the load must call for more (or fewer) replicas before it acts",
-    "check_integrity": "check the engine's invariants (pages, references, queues, fibers) each time it goes idle",
-    "stay_up_on_load_failure": (
-        "when the model fails to load, stay up answering 503 with the error instead of exiting with status 1"
-    ),
-    "log_level": "debug, info, warning or error",
-}
-
-
-CHOICES = {
-    "dtype": ["auto", "float32", "bfloat16"],
-    "quantization": ["auto", "none", "int4"],
-    "isolation": ["per_fiber", "per_call", "none"],
-    "log_level": ["debug", "info", "warning", "error"],
-    "tool_call_parser": list(TOOL_CALL_PARSERS),
-}
 SECRET = {"api_key"}
+
+
+def _help(cls, name: str) -> str:
+    return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
 
 
 def _flag(name: str) -> str:
@@ -113,9 +39,9 @@ def _add_fields(parser: argparse.ArgumentParser, cls) -> None:
         base = args[0] if args else hint
         default = f.default if isinstance(f.default_factory, dataclasses._MISSING_TYPE) else f.default_factory()
         shown = "" if f.name in SECRET or default is None else f" (default: {default})"
-        kwargs: dict = {"dest": f.name, "default": argparse.SUPPRESS, "help": HELP.get(f.name, "") + shown}
-        if f.name in CHOICES:
-            kwargs["choices"] = CHOICES[f.name]
+        kwargs: dict = {"dest": f.name, "default": argparse.SUPPRESS, "help": f.metadata["help"] + shown}
+        if f.metadata["choices"]:
+            kwargs["choices"] = f.metadata["choices"]
         if base is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(base) is tuple:
@@ -193,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_fields(gen, EngineConfig)
 
     fetch = sub.add_parser("fetch", help="download, verify and cache the embedded default model")
-    fetch.add_argument("--cache-dir", dest="cache_dir", default=argparse.SUPPRESS, help=HELP["cache_dir"])
+    fetch.add_argument(
+        "--cache-dir", dest="cache_dir", default=argparse.SUPPRESS, help=_help(EngineConfig, "cache_dir")
+    )
 
     bench = sub.add_parser(
         "bench", help="load generator and peer comparison (see fiberserve bench --help)", add_help=False

@@ -6,8 +6,9 @@ Environment variables are read here and in the CLI only, never deep inside the c
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 def default_cache_dir() -> Path:
@@ -16,70 +17,12 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "fiberserve"
 
 
-@dataclass
-class EngineConfig:
-    """Everything the engine needs; the server and the offline ``LLM`` build one of these."""
-
-    #: A GGUF file (known by its content) or a Hugging Face directory; None serves the embedded default model.
-    model: str | None = None
-    cache_dir: str = field(default_factory=lambda: str(default_cache_dir()))
-    device: str = "cpu"
-    #: "float32", "bfloat16" or "auto" (bfloat16 where the CPU/GPU computes it natively).
-    dtype: str = "auto"
-    #: "none"; "int4": llama.cpp's arithmetic on CPU, Q4_1 decoder weights and a Q8_0 output head times int8
-    #: activations; or "auto": int4 for a Q4_1 GGUF on a CPU without AMX tiles, else none
-    #: (``service.resolve_quantization``).
-    quantization: str = "auto"
-    #: Fibers in the pool: flights that may run at once.
-    fibers: int = 1
-    #: Torch threads each fiber's worker uses (None: the machine's cores divided among the fibers).
-    threads_per_fiber: int | None = None
-    #: Narrow each fiber's thread team to the cores other processes leave free (``runtime/cpu_share.py``), and
-    #: widen it back as they free them.
-    fit_free_cores: bool = True
-    isolation: str = "per_fiber"
-    page_size: int = 16
-    #: The KV cache in MiB; None: sized for the model (``service.kv_cache_pages``: one sequence of the whole
-    #: context, at least 256 MiB, at most a quarter of the memory available at start).
-    kv_cache_mb: float | None = None
-    #: Overrides kv_cache_mb when set.
-    kv_pages: int | None = None
-    #: The longest context a request may use, prompt and output together (vLLM's --max-model-len); None: the
-    #: model's own context length.  At most the model's.
-    max_model_len: int | None = None
-    max_running: int = 64
-    max_batch_tokens: int = 512
-    #: Decode steps a flight of a few plain decodes (``multi_step.MULTI_STEP_MAX_SEQUENCES``) may run before it
-    #: lands (vLLM's former ``--num-scheduler-steps``):
-    #: each step lands on the host while the next computes, and a new arrival halts the flight after its
-    #: current step.  1: every step lands before the next boards.
-    decode_steps: int = 8
-    #: The longest draft by prompt lookup a decode (greedy or sampled) may carry, in a flight of any size (speculative
-    #: decoding, vLLM's "ngram" method): checked in the same forward pass, kept up to the first token the model
-    #: did not pick there, so the output is what plain decoding gives (bit for bit where the kernels are batch
-    #: invariant: bf16 and int4 on CPU; elsewhere up to the near ties batching itself may flip).  A draft is cut
-    #: where one more token would lower the flight's expected tokens per second, from the rate the sequence's
-    #: drafts come true and the pass times measured by rows (scheduler policy 5).  0: off.
-    #: On by default, unlike vLLM and SGLang: on a CPU a few extra rows cost little next to reading the weights,
-    #: and the rule above, with ``speculation.DraftSwitch`` checking it per flight size, drops drafts where they
-    #: would not pay.
-    speculative_tokens: int = 8
-    prefix_caching: bool = True
-    #: Requests waiting for admission beyond which new ones are refused (the server answers 503).
-    max_queue: int = 512
-    #: Seconds one model invocation may take before its fiber is retired and its flight fails.
-    invocation_timeout: float | None = 120.0
-    #: Fraction of model invocations that fail on purpose (fault injection for tests; 0 in production).
-    fault_rate: float = 0.0
-    #: Longest n a request may ask for.
-    max_n: int = 16
-    #: Check the engine's invariants (pages, references, queues, fibers: ``LlmService.check_integrity``) each time
-    #: it goes idle; a broken one is logged, and every later request fails with it (for tests and debugging).
-    check_integrity: bool = False
-    #: Seeds the seeds the engine draws for requests that give none, so that a server started alike and sent the
-    #: same requests in the same order samples the same tokens (vLLM's ``--seed``).
-    seed: int = 0
-    progress: bool = True
+def setting(default: Any = MISSING, help: str = "", *, choices: tuple[str, ...] = (), factory: Any = MISSING) -> Any:
+    """A config field with its flag's help (and allowed values): the one place a setting is described."""
+    metadata = {"help": help, "choices": choices}
+    if factory is not MISSING:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 #: ``tool_call_parser`` values: how ``tool_choice: "auto"`` reads calls (none: it is refused).
@@ -87,42 +30,140 @@ TOOL_CALL_PARSERS = ("none", "hermes")
 
 
 @dataclass
+class EngineConfig:
+    """Everything the engine needs; the server and the offline ``LLM`` build one of these.  Each field's help
+    (``fields(EngineConfig)[i].metadata["help"]``) is its flag's help too."""
+
+    model: str | None = setting(
+        None,
+        "a GGUF file (known by its content, any name) or a Hugging Face model directory "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+    )
+    cache_dir: str = setting(
+        help="where the default model and converted tokenizers are cached ($FIBERSERVE_CACHE)",
+        factory=lambda: str(default_cache_dir()),
+    )
+    device: str = setting("cpu", "cpu, cuda or cuda:N")
+    dtype: str = setting(
+        "auto",
+        "bfloat16 where the hardware computes it natively (auto), else float32",
+        choices=("auto", "float32", "bfloat16"),
+    )
+    quantization: str = setting(
+        "auto",
+        "int4: llama.cpp's arithmetic on CPU, a GGUF's own 4, 5, 6 and 8-bit blocks (or Q4_1 from other weights) "
+        "times int8 activations; auto is int4 for a GGUF whose decoder matrices are all in such blocks, except "
+        "small models on a CPU with AMX tiles (service.resolve_quantization); none computes in --dtype",
+        choices=("auto", "none", "int4"),
+    )
+    fibers: int = setting(1, "fibers in the pool = model invocations (flights) that may run at once")
+    threads_per_fiber: int | None = setting(None, "torch threads per fiber (default: CPU cores / fibers)")
+    fit_free_cores: bool = setting(
+        True,
+        "narrow each fiber's thread team to the cores other processes leave free (a busy neighbour or a second "
+        "replica), and widen it back as they free them (runtime/cpu_share.py)",
+    )
+    isolation: str = setting(
+        "per_fiber",
+        "program isolation: per_fiber (one instance per fiber), per_call, or none",
+        choices=("per_fiber", "per_call", "none"),
+    )
+    page_size: int = setting(16, "tokens per KV cache page")
+    kv_cache_mb: float | None = setting(
+        None,
+        "KV cache size in MiB (default: one sequence of the whole context, at least 256 MiB, at most a quarter "
+        "of the memory available at start: service.kv_cache_pages)",
+    )
+    kv_pages: int | None = setting(None, "KV cache size in pages (overrides --kv-cache-mb)")
+    max_model_len: int | None = setting(
+        None, "longest context (prompt + output) a request may use; at most the model's, which is the default"
+    )
+    max_running: int = setting(64, "most sequences running at once")
+    max_batch_tokens: int = setting(512, "token budget of one flight (long prompts are prefilled in chunks of this)")
+    decode_steps: int = setting(
+        8,
+        "decode steps a flight of a few plain decodes (multi_step.MULTI_STEP_MAX_SEQUENCES) runs before it "
+        "returns to the scheduler: each step's tokens land and stream while the next computes, and a new request "
+        "halts the flight after its current step; 1 = off",
+    )
+    # On by default, unlike vLLM and SGLang: on a CPU a few extra rows cost little next to reading the weights,
+    # and the cut below, which speculation.DraftSwitch checks per flight size, drops drafts where they do not pay.
+    speculative_tokens: int = setting(
+        8,
+        "the longest draft a decode carries (speculative decoding by prompt lookup: the tokens that followed the "
+        "last earlier occurrence of its last 2-3 tokens; checked in the same pass, so the output is unchanged; a "
+        "draft is cut where one more token would lower the expected tokens per second, from how often the "
+        "sequence's drafts came true and the pass times seen); 0 = off",
+    )
+    prefix_caching: bool = setting(True, "reuse KV pages of prompt prefixes already computed")
+    max_queue: int = setting(512, "most sequences waiting for admission; beyond it requests get 503 at once")
+    invocation_timeout: float | None = setting(
+        120.0, "seconds one model invocation may take before its flight fails and its fiber is replaced"
+    )
+    fault_rate: float = setting(
+        0.0,
+        "fraction of model invocations that fail on purpose (testing only; POST /debug/faults retunes it: rate, "
+        "hang_seconds, point 'start' or 'layers')",
+    )
+    max_n: int = setting(16, "largest n (completions per prompt) a request may ask for")
+    check_integrity: bool = setting(
+        False,
+        "check the engine's invariants (pages, references, queues, fibers: LlmService.check_integrity) each time "
+        "it goes idle; a broken one is logged and fails every later request",
+    )
+    seed: int = setting(
+        0, "seeds the sampling seeds drawn for requests that give none (same server, same requests: same tokens)"
+    )
+    progress: bool = setting(True, "show progress bars while fetching and loading")
+
+
+@dataclass
 class ServerConfig:
-    """The HTTP server around one engine."""
+    """The HTTP server around one engine; each field's help is its flag's help, as in :class:`EngineConfig`."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    #: The model name clients see (/v1/models, "model" fields); defaults to the model file's name.
-    served_model_name: str | None = None
-    #: When set, every path except ``open_paths`` needs ``Authorization: Bearer <key>``.
-    api_key: str | None = None
-    open_paths: tuple[str, ...] = ("/health", "/metrics")
-    max_body_bytes: int = 1 << 20
-    #: Origins allowed by CORS; empty: CORS off.
-    cors_origins: tuple[str, ...] = ()
-    #: How ``tool_choice: "auto"`` reads calls in the model's output: ``none`` (auto is refused) or ``hermes``.
-    tool_call_parser: str = "none"
-    #: Seconds SIGTERM waits for in-flight requests before aborting them.
-    shutdown_timeout: float = 30.0
-    log_level: str = "info"
-    #: A model that fails to load: exit non-zero with its error (as vLLM, SGLang and llama-server do, and as
-    #: process managers expect), or with this set, stay up answering 503 with the error (``/health``: "failed").
-    stay_up_on_load_failure: bool = False
-    #: Replicas on Ray Serve behind this one endpoint, each a whole engine (``fiberserve[ray]``); 0: one process.
-    replicas: int = 0
-    #: The Ray cluster to join (``auto``, or ``HOST:PORT`` of its head); None: start a local one.
-    ray_address: str | None = None
-    #: Route a request to the replica that served its prompt's prefix while load is balanced (Ray Serve's default
-    #: power-of-two-choices router otherwise).
-    prefix_routing: bool = True
-    #: Autoscaling on Ray Serve (with ``max_replicas`` set): between these many replicas, aiming at this many
-    #: requests in progress per replica; ``replicas`` is then where it starts.
-    min_replicas: int = 1
-    max_replicas: int | None = None
-    target_ongoing_requests: float = 16.0
-    #: Seconds the load must call for more (or fewer) replicas before the autoscaler adds (or removes) one.
-    autoscale_delay_s: float = 30.0
+    host: str = setting("127.0.0.1", "address to bind")
+    port: int = setting(8000, "port to listen on")
+    served_model_name: str | None = setting(None, "model name clients see (default: the model file's name)")
+    api_key: str | None = setting(
+        None, "require Authorization: Bearer <key> on every path but --open-paths ($FIBERSERVE_API_KEY)"
+    )
+    open_paths: tuple[str, ...] = setting(("/health", "/metrics"), "paths that need no API key")
+    max_body_bytes: int = setting(1 << 20, "largest request body accepted")
+    cors_origins: tuple[str, ...] = setting((), "origins allowed by CORS (off when empty)")
+    tool_call_parser: str = setting(
+        "none",
+        "how tool_choice 'auto' reads the model's calls: none (auto is refused) or hermes (<tool_call> JSON "
+        "blocks, as Qwen2.5 and Hermes models write them)",
+        choices=TOOL_CALL_PARSERS,
+    )
+    shutdown_timeout: float = setting(30.0, "seconds SIGTERM lets in-flight requests finish before aborting them")
+    log_level: str = setting("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
+    # Exiting is what vLLM, SGLang and llama-server do, and what process managers expect.
+    stay_up_on_load_failure: bool = setting(
+        False,
+        "when the model fails to load, stay up answering 503 with the error (/health: failed) instead of "
+        "exiting with status 1",
+    )
+    replicas: int = setting(
+        0, "replicas on Ray Serve behind this endpoint, each a whole engine (fiberserve[ray]); 0 = one process"
+    )
+    ray_address: str | None = setting(
+        None, "the Ray cluster to join (auto, or HOST:PORT of its head); default: start a local one"
+    )
+    prefix_routing: bool = setting(
+        True,
+        "send a prompt to the replica that served its prefix while load is balanced (Ray Serve; else its "
+        "power-of-two-choices router)",
+    )
+    min_replicas: int = setting(1, "autoscaling (with --max-replicas): the fewest replicas")
+    max_replicas: int | None = setting(
+        None, "autoscale between --min-replicas and this many replicas on requests in progress (--replicas: the start)"
+    )
+    target_ongoing_requests: float = setting(16.0, "autoscaling: requests in progress per replica it aims at")
+    autoscale_delay_s: float = setting(
+        30.0, "autoscaling: seconds the load must call for more (or fewer) replicas before it acts"
+    )
 
     def __post_init__(self) -> None:
         if self.replicas < 0:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import itertools
 import logging
 import os
 import random
@@ -158,7 +157,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str
+    #: None while the sequence runs.
+    finish_reason: FinishReason | None
     matched_stop: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
@@ -198,12 +198,11 @@ class Request:
 
 
 def completion_of(seq: Sequence) -> CompletionOutput:
-    reason = seq.finish_reason.value if seq.finish_reason else "running"
     return CompletionOutput(
         seq.index,
         seq.text,
         list(seq.output_ids),
-        reason,
+        seq.finish_reason,
         seq.matched_stop,
         seq.logprobs,
         seq.error,
@@ -294,7 +293,6 @@ class LlmService:
         self._wake = asyncio.Event()  #: set when there may be work to board
         self._loop_task: asyncio.Task | None = None
         self._flights: set[asyncio.Task] = set()
-        self._request_ids = itertools.count()
         self.flights_run = 0
         self.flights_failed = 0
 

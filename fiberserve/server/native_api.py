@@ -162,12 +162,13 @@ async def set_faults(request: Request) -> dict:
 
 def finish_reason(comp: CompletionOutput | Sequence) -> dict | None:
     comp = completion_of(comp) if isinstance(comp, Sequence) else comp
-    if comp.finish_reason == "stop":
+    reason = comp.finish_reason
+    if reason is FinishReason.STOP:
         return {"type": "stop", "matched": comp.matched_stop}
-    if comp.finish_reason == "length":
+    if reason is FinishReason.LENGTH:
         return {"type": "length", "length": len(comp.token_ids)}
-    if comp.finish_reason in ("abort", "error"):
-        return {"type": comp.finish_reason, "message": comp.error or comp.finish_reason}
+    if reason in (FinishReason.ABORT, FinishReason.ERROR):
+        return {"type": reason.value, "message": comp.error or reason.value}
     return None
 
 

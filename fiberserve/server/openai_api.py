@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fiberserve.engine import InvalidParameter
 from fiberserve.engine import Request as EngineRequest
-from fiberserve.engine.sequence import FinishReason, Sequence, TokenLogprob
+from fiberserve.engine.sequence import FinishReason, TokenLogprob
 from fiberserve.engine.service import CompletionOutput, RequestOutput
 from fiberserve.server.errors import ApiError, failure_body, from_engine
 from fiberserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -38,14 +38,9 @@ def _state(request: Request) -> ServerState:
     return request.app.state.fiberserve
 
 
-def _finish(comp: CompletionOutput) -> str | None:
-    return {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}.get(comp.finish_reason)
-
-
-def _reason(seq: Sequence) -> str:
-    """A finished sequence's finish reason as the API names it."""
-    assert seq.finish_reason is not None, "a finished sequence has a reason"
-    return seq.finish_reason.value
+def _reason(reason: FinishReason | None) -> str | None:
+    """A finish reason as the API names it (the engine's own name), None while the sequence runs."""
+    return None if reason is None else reason.value
 
 
 def _usage(requests: list[EngineRequest]) -> dict:
@@ -150,7 +145,7 @@ class _Completions:
                 scored = cast(list[TokenLogprob], comp.prompt_logprobs[1:])  # every position after the first
                 lps, first = scored + lps, output.prompt_token_ids[0]
         logprobs = _completion_logprobs(state, lps, first) if self.logprobs else None
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": _finish(comp)}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": _reason(comp.finish_reason)}
 
     def body(self, state: ServerState, requests, choices: list[dict]) -> dict:
         return {
@@ -191,7 +186,7 @@ class _Completions:
                     events.append(f"data: {json.dumps(body)}\n\n")
                     continue
                 index = prompt_index[seq.uid] * n + seq.index
-                choice = self.delta_choice(index, event.delta, _reason(seq) if event.finished else None)
+                choice = self.delta_choice(index, event.delta, _reason(seq.finish_reason) if event.finished else None)
                 if choice is None:
                     continue  # text held back (a stop string may be starting): its tokens' logprobs come later
                 if self.logprobs:
@@ -223,7 +218,7 @@ class _ChatCompletions(_Completions):
 
     def choice(self, state: ServerState, index: int, comp: CompletionOutput, output: RequestOutput) -> dict:
         lps = _chat_logprobs(state, comp.logprobs) if self.logprobs else None
-        message, finish = {"role": "assistant", "content": comp.text}, _finish(comp)
+        message, finish = {"role": "assistant", "content": comp.text}, _reason(comp.finish_reason)
         if self.tools is not None:
             message, finish = self.tools.message(comp.text, finish)
         return {"index": index, "message": message, "logprobs": lps, "finish_reason": finish}

@@ -13,7 +13,7 @@ from fastapi import Request as HttpRequest
 
 from fiberserve.config import ServerConfig
 from fiberserve.engine import InvalidParameter, LlmService, Request, RequestOutput, SamplingParams
-from fiberserve.engine.sequence import Sequence, SequenceEvent
+from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent
 from fiberserve.server.errors import ApiError, failure, from_engine
 from fiberserve.server.metrics import Metrics
 from fiberserve.server.protocol import ChatMessage, chat_messages
@@ -130,7 +130,7 @@ class ServerState:
             return None
         for r in requests:
             for s in r.seqs:
-                if s.finish_reason is not None and s.finish_reason.value == "error":
+                if s.finish_reason is FinishReason.ERROR:
                     raise failure(r.id, s)
         http.state.completion_tokens = sum(o.completion_tokens for o in outputs)
         return outputs

@@ -14,8 +14,9 @@ import pytest
 import torch
 from gguf.quants import dequantize
 
+from fiberserve import kernels
 from fiberserve.bench.block_quantizers import quantize_blocks
-from fiberserve.model import LlamaModel, kernels, load_checkpoint
+from fiberserve.model import LlamaModel, load_checkpoint
 from fiberserve.model.block_formats import NATIVE_BITS
 from fiberserve.model.linear import QuantLinear, quant_kernel_available
 from fiberserve.model.quant_blocks import QUANT_GROUP, QuantBlocks
