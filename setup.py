@@ -65,8 +65,12 @@ def kernel_build() -> dict:
             super().build_extensions()
 
         def build_extension(self, ext) -> None:
+            # The build's name (which changes with any source) is in its file name only: defined in every object
+            # too, it would recompile them all.
+            ext.extra_compile_args = [a for a in ext.extra_compile_args if not a.startswith("-DTORCH_EXTENSION_NAME=")]
             build_temp = self.build_temp
-            self.build_temp = str(ROOT / "build" / "kernels" / ext.name.rpartition(".")[2])
+            variant = ext.name.rpartition(".")[2].rpartition("_")[0]  # _kernels_<variant>, without the digest
+            self.build_temp = str(ROOT / "build" / "kernels" / variant)
             try:
                 super().build_extension(ext)
             finally:

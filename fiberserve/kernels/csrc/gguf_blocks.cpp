@@ -43,39 +43,40 @@ struct Outputs {
   int8_t *steps, *min_steps;
 };
 
-// One block (or super-block) of format `type` at `in`; q at out.q, its groups' values at index g of each output.
-void unpack_block(Type type, const uint8_t* in, const int8_t* table, const Outputs& out, int64_t g,
+// One block (or super-block) of format `type` at `in`; its q at `q`, its groups' values at index g of each output
+// (the format is a template argument, so each format's loop over the blocks compiles without branches).
+template <Type type>
+void unpack_block(const uint8_t* in, const int8_t* table, uint8_t* q, const Outputs& out, int64_t g,
                   int64_t super) {
-  uint8_t* q = out.q;
-  if (type == Type::kQ4_0 || type == Type::kIQ4_NL) {
+  if constexpr (type == Type::kQ4_0 || type == Type::kIQ4_NL) {
     const float d = half_at(in);
     nibbles(in + 2, q);
-    if (type == Type::kIQ4_NL)
+    if constexpr (type == Type::kIQ4_NL)
       for (int l = 0; l < 32; ++l) q[l] = static_cast<uint8_t>(table[q[l]] + 128);
     out.scale[g] = d, out.min[g] = (type == Type::kQ4_0 ? -8.0f : -128.0f) * d;
-  } else if (type == Type::kQ4_1) {
+  } else if constexpr (type == Type::kQ4_1) {
     nibbles(in + 4, q);
     out.scale[g] = half_at(in), out.min[g] = half_at(in + 2);
-  } else if (type == Type::kQ5_0 || type == Type::kQ5_1) {
-    const int offset = type == Type::kQ5_0 ? 2 : 4;
+  } else if constexpr (type == Type::kQ5_0 || type == Type::kQ5_1) {
+    constexpr int offset = type == Type::kQ5_0 ? 2 : 4;
     uint32_t high;
     std::memcpy(&high, in + offset, 4);
     nibbles(in + offset + 4, q);
     for (int l = 0; l < 32; ++l) q[l] |= ((high >> l) & 1) << 4;
     const float d = half_at(in);
-    if (type == Type::kQ5_0) {
+    if constexpr (type == Type::kQ5_0) {
       for (int l = 0; l < 32; ++l) q[l] += 112;  // d * (q - 16) == d * ((q + 112) - 128)
       out.scale[g] = d, out.min[g] = -128.0f * d;
     } else {
       out.scale[g] = d, out.min[g] = half_at(in + 2);
     }
-  } else if (type == Type::kQ8_0) {
+  } else if constexpr (type == Type::kQ8_0) {
     const float d = half_at(in);
     for (int l = 0; l < 32; ++l) q[l] = static_cast<uint8_t>(static_cast<int8_t>(in[2 + l]) + 128);
     out.scale[g] = d, out.min[g] = -128.0f * d;
-  } else if (type == Type::kQ4_K || type == Type::kQ5_K) {  // d, dmin, scales[12], (Q5_K: qh[32]), qs[128]
+  } else if constexpr (type == Type::kQ4_K || type == Type::kQ5_K) {  // d, dmin, scales[12], (Q5_K: qh[32]), qs[128]
     const float d = half_at(in), dmin = half_at(in + 2);
-    const bool five = type == Type::kQ5_K;
+    constexpr bool five = type == Type::kQ5_K;
     const uint8_t *qs = in + (five ? 48 : 16), *qh = in + 16;
     for (int j = 0; j < 8; ++j) {  // each 32 bytes of qs: block 2c in the low nibbles, 2c + 1 in the high
       const uint8_t* bytes = qs + 32 * (j / 2);
@@ -117,6 +118,17 @@ struct Layout {
   int64_t inputs, bytes, groups;  // per block: inputs, bytes, scale groups
 };
 
+// Every block of a tensor [N rows of per_row blocks] in format `type`, row after row.
+template <Type type>
+void unpack_rows(const uint8_t* in, int64_t N, int64_t per_row, const Layout& layout, const int8_t* table,
+                 const Outputs& out) {
+  const int64_t K = per_row * layout.inputs, groups = per_row * layout.groups, row_bytes = per_row * layout.bytes;
+  for (int64_t r = 0; r < N; ++r)
+    for (int64_t b = 0; b < per_row; ++b)
+      unpack_block<type>(in + r * row_bytes + b * layout.bytes, table, out.q + r * K + b * layout.inputs, out,
+                         r * groups + b * layout.groups, r * per_row + b);
+}
+
 Layout layout_of(const std::string& name) {
   if (name == "Q4_0") return {Type::kQ4_0, 32, 18, 1};
   if (name == "IQ4_NL") return {Type::kIQ4_NL, 32, 18, 1};
@@ -156,18 +168,24 @@ std::vector<at::Tensor> unpack_gguf_blocks(const at::Tensor& raw_in, const std::
   at::Tensor min_steps = at::empty({mins ? N : 0, groups}, bytes.dtype(at::kChar));
   const uint8_t* in = raw.data_ptr<uint8_t>();
   const int8_t* values = table.defined() ? table.data_ptr<int8_t>() : nullptr;
-  for (int64_t r = 0; r < N; ++r)
-    for (int64_t b = 0; b < per_row; ++b) {
-      const int64_t g = r * groups + b * layout.groups, s = r * per_row + b;
-      const Outputs out{q.data_ptr<uint8_t>() + r * K + b * layout.inputs,
-                        scale.data_ptr<float>(),
-                        min.data_ptr<float>(),
-                        k_format ? d.data_ptr<c10::Half>() : nullptr,
-                        mins ? dmin.data_ptr<c10::Half>() : nullptr,
-                        k_format ? steps.data_ptr<int8_t>() : nullptr,
-                        mins ? min_steps.data_ptr<int8_t>() : nullptr};
-      unpack_block(layout.type, in + r * raw.size(1) + b * layout.bytes, values, out, g, s);
-    }
+  const Outputs out{q.data_ptr<uint8_t>(),
+                    scale.data_ptr<float>(),
+                    min.data_ptr<float>(),
+                    k_format ? d.data_ptr<c10::Half>() : nullptr,
+                    mins ? dmin.data_ptr<c10::Half>() : nullptr,
+                    k_format ? steps.data_ptr<int8_t>() : nullptr,
+                    mins ? min_steps.data_ptr<int8_t>() : nullptr};
+  switch (layout.type) {
+    case Type::kQ4_0: unpack_rows<Type::kQ4_0>(in, N, per_row, layout, values, out); break;
+    case Type::kIQ4_NL: unpack_rows<Type::kIQ4_NL>(in, N, per_row, layout, values, out); break;
+    case Type::kQ4_1: unpack_rows<Type::kQ4_1>(in, N, per_row, layout, values, out); break;
+    case Type::kQ5_0: unpack_rows<Type::kQ5_0>(in, N, per_row, layout, values, out); break;
+    case Type::kQ5_1: unpack_rows<Type::kQ5_1>(in, N, per_row, layout, values, out); break;
+    case Type::kQ8_0: unpack_rows<Type::kQ8_0>(in, N, per_row, layout, values, out); break;
+    case Type::kQ4_K: unpack_rows<Type::kQ4_K>(in, N, per_row, layout, values, out); break;
+    case Type::kQ5_K: unpack_rows<Type::kQ5_K>(in, N, per_row, layout, values, out); break;
+    case Type::kQ6_K: unpack_rows<Type::kQ6_K>(in, N, per_row, layout, values, out); break;
+  }
   return {q, scale, min, d, steps, dmin, min_steps};
 }
 
