@@ -147,9 +147,13 @@ def main(argv: list[str] | None = None) -> int:
             from fiberserve.cluster.ray_serve import run_cluster
 
             return run_cluster(config)
+        from fiberserve.startup import configure_logging, load_in_background
+
+        configure_logging(config.log_level)
+        loading = load_in_background(config.engine)  # on its own core while the web framework is imported
         from fiberserve.server import run_server
 
-        return run_server(config)
+        return run_server(config, loading)
     from fiberserve import LLM, SamplingParams
 
     with LLM(config=config.engine) as llm:

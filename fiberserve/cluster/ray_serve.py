@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
 from fiberserve.config import ServerConfig
+from fiberserve.startup import configure_logging
 
 log = logging.getLogger("fiberserve.cluster")
 
@@ -110,7 +111,7 @@ class EngineReplica:
         from fiberserve.engine import LlmService
         from fiberserve.server.app import create_app
 
-        logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        configure_logging(config.log_level)
         self.config = config
         self.service = await asyncio.to_thread(LlmService.load, config.engine)
         self.app = create_app(config, service=self.service)
@@ -380,7 +381,7 @@ def run_cluster(config: ServerConfig) -> int:
         from ray import serve
     except ImportError as exc:
         raise SystemExit(f"--replicas needs Ray Serve: pip install 'fiberserve[ray]' ({exc})") from None
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level)
     if config.ray_address:
         ray.init(address=config.ray_address, logging_level=logging.WARNING)
     else:  # a local instance of our own

@@ -156,12 +156,22 @@ def unpack_gguf_blocks(raw: np.ndarray, type_name: str) -> list[torch.Tensor]:
     """A GGUF tensor's blocks (``raw`` uint8 [N, bytes per row], a view of the file) unpacked in one pass: q uint8
     [N, K], scale and min float32 [N, groups], and for the K formats their float16 d, int8 steps, float16 dmin and
     int8 negated min steps (empty tensors where the format has none)."""
+    return torch.ops.fiberserve.unpack_gguf_blocks(*_gguf_op_args(raw, type_name))
+
+
+def pack_gguf_blocks(raw: np.ndarray, type_name: str, out: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """As :func:`unpack_gguf_blocks` (N % 16 == 0), with q already packed as :func:`quant_pack` packs it (into
+    ``out`` where given): the byte a weight is written for 16 rows at a time, never for the whole tensor."""
+    return torch.ops.fiberserve.pack_gguf_blocks(*_gguf_op_args(raw, type_name), out)
+
+
+def _gguf_op_args(raw: np.ndarray, type_name: str) -> tuple[torch.Tensor, str, torch.Tensor | None]:
     load()
-    with warnings.catch_warnings():  # the file's mapping is read-only, and the kernel only reads it
+    with warnings.catch_warnings():  # the file's mapping is read-only, and the kernels only read it
         warnings.simplefilter("ignore", UserWarning)
         blocks = torch.from_numpy(raw)
     table = torch.from_numpy(IQ4_NL_VALUES.astype(np.int8)) if type_name == "IQ4_NL" else None
-    return torch.ops.fiberserve.unpack_gguf_blocks(blocks, type_name, table)
+    return blocks, type_name, table
 
 
 def quant_pack(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -177,23 +187,26 @@ def quant_pack(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.T
       4-bit layout's nibbles, then per block 2 loads of high bits) with a scale per 16 inputs (its mins empty);
     * any other 8 bits (Q5_1, mixed formats): bytes with float32 scales and mins (``-zero * scale`` where the blocks
       have a zero), one per block or per half block; any other 4 bits likewise with float32 scales and mins."""
-    q, group = blocks.q, blocks.group
-    n, k = q.shape
-    packed = torch.ops.fiberserve.quant_pack_q(q, blocks.bits)
+    return torch.ops.fiberserve.quant_pack_q(blocks.q, blocks.bits), *quant_pack_factors(blocks)
+
+
+def quant_pack_factors(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scales and mins of :func:`quant_pack`; reads every field of ``blocks`` but ``q``."""
+    group, (n, groups) = blocks.group, blocks.scale.shape
     empty = torch.empty(0, dtype=torch.half)
     if blocks.supers is not None:
         own = blocks.supers
         mins = empty if own.dmin is None or own.min_steps is None else _super_rows(own.dmin, own.min_steps)
-        return packed, _super_rows(own.d, own.steps), mins
+        return _super_rows(own.d, own.steps), mins
     signed = blocks.bits == 8 and blocks.zero == 128 and group == 32 and not blocks.float32_scales
     half = signed or (blocks.bits == 4 and not blocks.float32_scales)
     zero_eight = blocks.bits == 4 and blocks.zero == 8 and half  # Q4_0: no mins stored
     mins = blocks.min if blocks.zero is None else -blocks.zero * blocks.scale
 
     def per_group(t: torch.Tensor) -> torch.Tensor:
-        return t.to(torch.half if half else torch.float32).view(n // 16, 16, k // group).permute(0, 2, 1).contiguous()
+        return t.to(torch.half if half else torch.float32).view(n // 16, 16, groups).permute(0, 2, 1).contiguous()
 
-    return packed, per_group(blocks.scale), empty if signed or zero_eight else per_group(mins)
+    return per_group(blocks.scale), empty if signed or zero_eight else per_group(mins)
 
 
 def _super_rows(d: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

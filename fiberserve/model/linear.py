@@ -19,18 +19,24 @@ paths.  Where each path's time goes: ``docs/performance.md``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
 from fiberserve import kernels
+from fiberserve.model.gguf_rows import GgufRows
 from fiberserve.model.quant_blocks import QUANT_GROUP, QuantBlocks
+
+#: A matrix as the loader gives it: floats, blocks, or a GGUF file's rows not yet unpacked.
+Weight = torch.Tensor | QuantBlocks | GgufRows
+
+
+def unpacked(weight: QuantBlocks | GgufRows) -> QuantBlocks:
+    """``weight``'s blocks, unpacked where they are still the file's rows."""
+    return weight.unpack() if isinstance(weight, GgufRows) else weight
+
 
 #: Fewest rows a product runs with (see module docstring).
 MIN_ROWS = 2
-#: Rows of a large matrix packed at a time (:meth:`QuantLinear.of_rows`).
-ROWS_AT_ONCE = 4096
 
 #: A product's tensors as :func:`.kernels.decoder_layers` takes them: weight, scales, mins, bias.
 KernelTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -126,7 +132,7 @@ class QuantLinear:
 
     def __init__(
         self,
-        weight: torch.Tensor | QuantBlocks,
+        weight: Weight,
         bias: torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
         bits: int = 4,
@@ -135,43 +141,26 @@ class QuantLinear:
         blocks); ``dtype``: the activations' dtype (default: a float weight's, else bfloat16).  Without the
         extension's kernel (:func:`quant_kernel_available`) 8-bit blocks are requantized to 4 bits, and a float
         weight cannot be asked for in 8."""
-        blocks = weight if isinstance(weight, QuantBlocks) else QuantBlocks.quantize(weight, bits)
         dtype = dtype or (weight.dtype if isinstance(weight, torch.Tensor) else torch.bfloat16)
-        self.out_features, self.in_features = n, _ = blocks.shape
+        self.out_features, self.in_features = n, _ = weight.shape
         self.native = weight.device.type == "cpu" and n % 16 == 0 and quant_kernel_available()
-        if not self.native and blocks.bits != 4 and bits == 4:  # PyTorch's int4 kernel takes 4-bit blocks only
-            blocks = QuantBlocks.quantize(blocks.dequantize(), 4)
-        q, scale, lo, bits = blocks.q, blocks.scale, blocks.min, blocks.bits
         self.min_rows = 1 if self.native else MIN_ROWS
-        if self.native:
-            self.weight, self.scales, self.mins = kernels.quant_pack(blocks)
+        if self.native:  # a file's rows are packed straight from its bytes
+            packed = weight.pack() if isinstance(weight, GgufRows) else kernels.quant_pack(_blocks_of(weight, bits))
+            self.weight, self.scales, self.mins = packed
             self.bias = None if bias is None else bias.float()
-        elif bits == 4:  # the kernel computes (q - 8) * scale + zero, scale and zero in the activations' dtype
+            return
+        blocks = _blocks_of(weight, bits)
+        if blocks.bits == 4 or bits == 4:  # PyTorch's int4 kernel takes 4-bit blocks only
+            if blocks.bits != 4:
+                blocks = QuantBlocks.quantize(blocks.dequantize(), 4)
+            # the kernel computes (q - 8) * scale + zero, scale and zero in the activations' dtype
+            scale, lo = blocks.scale, blocks.min
             self.scales_and_zeros = torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous().to(dtype)
-            self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.to(torch.int32), 1)
             self.bias = None if bias is None else bias.to(dtype)
         else:
             raise ValueError("8-bit weights need the extension's quant_linear kernel (AVX512-VNNI or AVX2)")
-
-    @classmethod
-    def of_rows(cls, read: Callable[[slice], QuantBlocks], rows: int, dtype: torch.dtype) -> QuantLinear:
-        """The product of a matrix of ``rows`` rows whose blocks ``read`` gives for a slice of its rows, packed
-        :data:`ROWS_AT_ONCE` rows at a time where the extension's kernel runs it: its blocks, a byte a weight, are
-        never whole in memory (a vocabulary's head: hundreds of MB)."""
-        layer = cls(read(slice(0, ROWS_AT_ONCE)), dtype=dtype)
-        if rows <= ROWS_AT_ONCE:
-            return layer
-        if not layer.native:
-            return cls(read(slice(None)), dtype=dtype)
-        whole = [t.new_empty((rows // 16, *t.shape[1:])) if t.numel() else t for t in layer.packed_tensors()]
-        for start in range(0, rows, ROWS_AT_ONCE):
-            part = layer if start == 0 else cls(read(slice(start, start + ROWS_AT_ONCE)), dtype=dtype)
-            for into, t in zip(whole, part.packed_tensors(), strict=True):
-                if t.numel():
-                    into[start // 16 : start // 16 + t.shape[0]] = t
-        layer.weight, layer.scales, layer.mins = whole
-        layer.out_features = rows
-        return layer
 
     def packed_tensors(self) -> list[torch.Tensor]:
         """The packed weights, scales and mins (native products only)."""
@@ -252,8 +241,8 @@ class GateUp:
 
     def __init__(
         self,
-        gate: torch.Tensor | QuantBlocks,
-        up: torch.Tensor | QuantBlocks,
+        gate: Weight,
+        up: Weight,
         quantization: str,
         dtype: torch.dtype,
         silu_kernel: bool,
@@ -280,22 +269,26 @@ class GateUp:
         return (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
 
 
-def _stack_gate_up(
-    gate: torch.Tensor | QuantBlocks, up: torch.Tensor | QuantBlocks, chunk: int | None
-) -> torch.Tensor | QuantBlocks:
-    """One weight of the gate and up rows: interleaved in ``chunk``s for a gated kernel, else gate then up; blocks
-    in one format (:meth:`.QuantBlocks.alike`)."""
-    if isinstance(gate, QuantBlocks) and isinstance(up, QuantBlocks):
-        if chunk is None:
-            return QuantBlocks.cat([gate, up])
-        return QuantBlocks.combine(
-            QuantBlocks.alike([gate, up]), lambda parts: kernels.interleave_gate_up(parts[0], parts[1], chunk)
-        )
-    gate, up = (x.dequantize() if isinstance(x, QuantBlocks) else x for x in (gate, up))
-    return kernels.interleave_gate_up(gate, up, chunk) if chunk is not None else torch.cat([gate, up])
+def _blocks_of(weight: Weight, bits: int) -> QuantBlocks:
+    """``weight``'s blocks: a float matrix quantized to ``bits``, a file's rows unpacked."""
+    return QuantBlocks.quantize(weight, bits) if isinstance(weight, torch.Tensor) else unpacked(weight)
 
 
-def _gate_chunk(gate: torch.Tensor | QuantBlocks, quantization: str, dtype: torch.dtype) -> int | None:
+def _stack_gate_up(gate: Weight, up: Weight, chunk: int | None) -> Weight:
+    """One weight of the gate and up rows: interleaved in ``chunk``s for a gated kernel, else gate then up; a file's
+    rows joined as stored where both are in one format, else blocks in one format (:meth:`.QuantBlocks.alike`)."""
+
+    def join(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts) if chunk is None else kernels.interleave_gate_up(parts[0], parts[1], chunk)
+
+    if isinstance(gate, GgufRows) and isinstance(up, GgufRows) and gate.same_format(up):
+        return GgufRows.combine([gate, up], join)
+    if not isinstance(gate, torch.Tensor) and not isinstance(up, torch.Tensor):
+        return QuantBlocks.combine(QuantBlocks.alike([unpacked(gate), unpacked(up)]), join)
+    return join([x if isinstance(x, torch.Tensor) else unpacked(x).dequantize() for x in (gate, up)])
+
+
+def _gate_chunk(gate: Weight, quantization: str, dtype: torch.dtype) -> int | None:
     """The interleaving chunk of a gated product for these weights, or None where no kernel runs one."""
     if gate.device.type != "cpu":
         return None
@@ -308,7 +301,7 @@ def _gate_chunk(gate: torch.Tensor | QuantBlocks, quantization: str, dtype: torc
 
 
 def make_linear(
-    weight: torch.Tensor | QuantBlocks, bias: torch.Tensor | None, quantization: str, dtype: torch.dtype, bits: int = 4
+    weight: Weight, bias: torch.Tensor | None, quantization: str, dtype: torch.dtype, bits: int = 4
 ) -> Linear | QuantLinear:
     """A :class:`Linear` in ``dtype``, or for ``quantization="int4"`` a :class:`QuantLinear`: of the blocks
     given, or of ``bits`` quantized from a float ``weight`` (best passed in float32)."""
@@ -316,6 +309,6 @@ def make_linear(
         return QuantLinear(weight, bias, dtype, bits)
     if quantization != "none":
         raise ValueError(f"quantization must be none or int4, got {quantization!r}")
-    if isinstance(weight, QuantBlocks):
-        weight = weight.dequantize()
+    if not isinstance(weight, torch.Tensor):
+        weight = unpacked(weight).dequantize()
     return Linear(weight.to(dtype).contiguous(), None if bias is None else bias.to(dtype))

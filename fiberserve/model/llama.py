@@ -58,14 +58,17 @@ from tqdm import tqdm
 from fiberserve import kernels
 from fiberserve.model.config import ModelConfig
 from fiberserve.model.file_rows import FileRows
+from fiberserve.model.gguf_rows import GgufRows
 from fiberserve.model.linear import (
     GateUp,
     Linear,
     QuantLinear,
     StackedLinear,
+    Weight,
     kernel_parts,
     make_linear,
     quant_kernel_available,
+    unpacked,
 )
 from fiberserve.model.loader import Checkpoint, LazyWeights
 from fiberserve.model.quant_blocks import QuantBlocks
@@ -308,12 +311,15 @@ class _Layer:
         def get(name: str) -> torch.Tensor:
             return w[p + name].to(device=device)
 
-        def matrix(name: str) -> torch.Tensor | QuantBlocks:
-            """The file's own blocks where the products are quantized and the file's format is served as is."""
+        def matrix(name: str) -> torch.Tensor | QuantBlocks | GgufRows:
+            """The file's own blocks where the products are quantized and the file's format is served as is: its
+            rows as stored on the CPU (unpacked once joined), else unpacked on ``device``."""
             blocks = w.blocks(p + name) if quantization == "int4" else None
-            return get(name) if blocks is None else blocks.map_rows(lambda t: t.to(device))
+            if blocks is None:
+                return get(name)
+            return blocks if torch.device(device).type == "cpu" else blocks.unpack().map_rows(lambda t: t.to(device))
 
-        def linear(weight: torch.Tensor | QuantBlocks, bias: torch.Tensor | None = None) -> Linear | QuantLinear:
+        def linear(weight: Weight, bias: torch.Tensor | None = None) -> Linear | QuantLinear:
             return make_linear(weight, bias, quantization, dtype)
 
         def norm(name: str) -> torch.Tensor:
@@ -349,21 +355,29 @@ class _Layer:
         self.down = linear(matrix("mlp.down_proj.weight"))
 
 
-def _stack(parts: list[torch.Tensor | QuantBlocks]) -> torch.Tensor | QuantBlocks | list[QuantBlocks]:
+def _stack(parts: list[Weight]) -> Weight | list[QuantBlocks | GgufRows]:
     """The rows of ``parts`` one after another: blocks where all are blocks in one format (where the kernel runs
-    them), a list of blocks of consecutive parts alike where their formats differ, else floats."""
-    blocks = [p for p in parts if isinstance(p, QuantBlocks)]
+    them; a file's rows joined as stored), a list of such of consecutive parts alike where their formats differ, else
+    floats."""
+    blocks = [p for p in parts if not isinstance(p, torch.Tensor)]
     if len(blocks) < len(parts):
-        return torch.cat([p.dequantize() if isinstance(p, QuantBlocks) else p for p in parts])
-    runs: list[list[QuantBlocks]] = []
+        return torch.cat([p if isinstance(p, torch.Tensor) else unpacked(p).dequantize() for p in parts])
+    runs: list[list[QuantBlocks | GgufRows]] = []
     for b in blocks:
-        if runs and runs[-1][0].same_format(b):
+        if runs and type(runs[-1][0]) is type(b) and runs[-1][0].same_format(b):  # type: ignore[arg-type]
             runs[-1].append(b)
         else:
             runs.append([b])
-    if len(runs) == 1 or not quant_kernel_available():
-        return QuantBlocks.cat(blocks)
-    return [QuantBlocks.cat(run) for run in runs]
+    if len(runs) > 1 and not quant_kernel_available():  # one product: blocks in one format
+        return QuantBlocks.cat([unpacked(b) for b in blocks])
+    joined = [run[0] if len(run) == 1 else _cat_rows(run) for run in runs]
+    return joined[0] if len(joined) == 1 else joined
+
+
+def _cat_rows(run: list[QuantBlocks | GgufRows]) -> QuantBlocks | GgufRows:
+    if all(isinstance(b, GgufRows) for b in run):
+        return GgufRows.cat(run)  # type: ignore[arg-type]
+    return QuantBlocks.cat([unpacked(b) for b in run])
 
 
 def _norm_if(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -409,14 +423,13 @@ class LlamaModel:
         tied = config.tie_word_embeddings or "lm_head.weight" not in w
         head_bits = 8 if quantization != "none" and quant_kernel_available() else 4  # llama.cpp's Q8_0 output head
         head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        head_rows = w.block_rows(head_name) if quantization == "int4" else None
-        if head_rows is not None:  # the file's own head (QuantLinear requantizes bytes where no kernel takes them)
-            shape = w.rows(head_name)
-            self.logits: Linear | QuantLinear = QuantLinear.of_rows(
-                head_rows, shape[1] if shape else config.vocab_size, dtype
-            )
-        else:
-            self.logits = make_linear(w[head_name].to(self.device), None, quantization, dtype, head_bits)
+        head_blocks = w.blocks(head_name) if quantization == "int4" else None
+
+        def head() -> Linear | QuantLinear:
+            if head_blocks is not None:  # the file's own (QuantLinear requantizes bytes where no kernel takes them)
+                return QuantLinear(head_blocks, dtype=dtype)
+            return make_linear(w[head_name].to(self.device), None, quantization, dtype, head_bits)
+
         self.embed = self._rows_of("model.embed_tokens.weight", w, quantization)
         self.lm_head = self.embed if tied else self._rows_of("lm_head.weight", w, quantization)
         self.norm = w["model.norm.weight"].to(device=self.device, dtype=torch.float32)
@@ -430,12 +443,14 @@ class LlamaModel:
         # Layer by layer from the checkpoint's file, LAYERS_AT_ONCE at a time: the unpacking and packing kernels
         # run without the GIL, and only those layers' temporaries exist at once.
         with ThreadPoolExecutor(LAYERS_AT_ONCE, thread_name_prefix="fiberserve-load") as pool:
+            logits = pool.submit(head)  # beside the first layers
             built = pool.map(
                 lambda i: _Layer(w, i, config, dtype, self.device, quantization, self.fused), range(config.num_layers)
             )
             self.layers = list(
                 tqdm(built, total=config.num_layers, desc="loading layers", unit="layer", disable=not progress)
             )
+            self.logits: Linear | QuantLinear = logits.result()
         linears = [self.logits] + [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self.min_rows = max(x.min_rows for x in linears)
         inv_freq = _rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, checkpoint.rope_freq_factors)

@@ -33,7 +33,7 @@ from fiberserve.model.config import (
     model_format,
     open_gguf,
 )
-from fiberserve.model.quant_blocks import QuantBlocks
+from fiberserve.model.gguf_rows import GgufRows
 
 
 class LazyWeights(Mapping[str, torch.Tensor]):
@@ -42,7 +42,7 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     def __init__(self, keep_open: Any = None) -> None:
         """``keep_open``: whatever must stay alive for the readers to work (the open files)."""
         self._readers: dict[str, Callable[[], torch.Tensor]] = {}
-        self._block_readers: dict[str, Callable[[slice], QuantBlocks]] = {}
+        self._block_readers: dict[str, Callable[[], GgufRows]] = {}
         self._typed_readers: dict[str, Callable[[torch.dtype], torch.Tensor]] = {}
         self._row_readers: dict[str, tuple[Callable[[np.ndarray], torch.Tensor], int, int]] = {}
         self._keep_open = keep_open
@@ -57,9 +57,8 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         and width; None where there is none."""
         return self._row_readers.get(name)
 
-    def add_blocks(self, name: str, reader: Callable[[slice], QuantBlocks]) -> None:
-        """How to read ``name``'s own blocks (those of a slice of its rows), for a file that stores it in a format
-        served in its own blocks."""
+    def add_blocks(self, name: str, reader: Callable[[], GgufRows]) -> None:
+        """How to read ``name``'s own blocks, for a file that stores it in a format served in its own blocks."""
         self._block_readers[name] = reader
 
     def read_as(self, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -71,14 +70,11 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     def add_typed(self, name: str, reader: Callable[[torch.dtype], torch.Tensor]) -> None:
         self._typed_readers[name] = reader
 
-    def blocks(self, name: str) -> QuantBlocks | None:
-        """``name`` in the file's own blocks (read now, not kept), or None if the file stores it otherwise."""
+    def blocks(self, name: str) -> GgufRows | None:
+        """``name``'s rows in the file's own blocks (unpacked where a product is built of them), or None if the file
+        stores it otherwise."""
         reader = self._block_readers.get(name)
-        return None if reader is None else reader(slice(None))
-
-    def block_rows(self, name: str) -> Callable[[slice], QuantBlocks] | None:
-        """A reader of ``name``'s own blocks for a slice of its rows, or None if the file stores it otherwise."""
-        return self._block_readers.get(name)
+        return None if reader is None else reader()
 
     def add(self, name: str, reader: Callable[[], torch.Tensor]) -> None:
         self._readers[name] = reader
@@ -217,12 +213,9 @@ def _dequantized(tensor: Any, rows: slice | np.ndarray = slice(None)) -> torch.T
 
 def _gguf_blocks_reader(
     tensor: Any, unpermute_heads: int | None, release: Callable[[], None]
-) -> Callable[[slice], QuantBlocks]:
-    def read(rows: slice) -> QuantBlocks:
-        if unpermute_heads is not None and rows != slice(None):
-            raise ValueError("rows of a permuted q/k projection are read whole")
-        blocks = QuantBlocks.from_gguf(tensor.data[rows], tensor.tensor_type.name)
-        release()
+) -> Callable[[], GgufRows]:
+    def read() -> GgufRows:
+        blocks = GgufRows(tensor.data, tensor.tensor_type.name, release)
         return blocks if unpermute_heads is None else blocks.map_rows(lambda t: _unpermute(t, unpermute_heads))
 
     return read

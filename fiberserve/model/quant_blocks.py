@@ -114,7 +114,21 @@ class QuantBlocks:
 
         if type_name not in NATIVE_BITS:
             raise ValueError(f"{type_name} is not served in its own blocks")
-        q, scale, low, d, steps, dmin, min_steps = kernels.unpack_gguf_blocks(raw, type_name)
+        return cls.of_unpacked(type_name, *kernels.unpack_gguf_blocks(raw, type_name))
+
+    @classmethod
+    def of_unpacked(
+        cls,
+        type_name: str,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        low: torch.Tensor,
+        d: torch.Tensor,
+        steps: torch.Tensor,
+        dmin: torch.Tensor,
+        min_steps: torch.Tensor,
+    ) -> QuantBlocks:
+        """The blocks of format ``type_name`` from the tensors ``kernels.unpack_gguf_blocks`` gives."""
         zero, group = _ZEROS_AND_GROUPS[type_name]
         blocks = cls(q, scale, low, NATIVE_BITS[type_name], zero, group, float32_scales=type_name.endswith("_K"))
         if not type_name.endswith("_K"):

@@ -6,6 +6,7 @@ import asyncio
 import gc
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -28,21 +29,26 @@ from fiberserve.server.errors import (
 from fiberserve.server.metrics import Metrics
 from fiberserve.server.middleware import GuardMiddleware
 from fiberserve.server.state import ServerState
+from fiberserve.startup import configure_logging
 
 log = logging.getLogger("fiberserve.server")
 
 
 def create_app(
-    config: ServerConfig, service: LlmService | None = None, on_load_failure: Callable[[], None] | None = None
+    config: ServerConfig,
+    service: LlmService | None = None,
+    on_load_failure: Callable[[], None] | None = None,
+    loading: Future[LlmService] | None = None,
 ) -> FastAPI:
-    """The app; loads the model in the background unless ``service`` is given (``/health`` says 503 meanwhile).
-    A load that fails calls ``on_load_failure`` unless ``config.stay_up_on_load_failure``."""
+    """The app; loads the model in the background unless ``service`` is given, or takes it from ``loading`` (a
+    load begun earlier, :func:`.startup.load_in_background`); ``/health`` says 503 meanwhile.  A load that fails
+    calls ``on_load_failure`` unless ``config.stay_up_on_load_failure``."""
     state = ServerState(config)
     metrics = state.metrics = Metrics(state)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        loader = asyncio.create_task(_load(state, service, on_load_failure))
+        loader = asyncio.create_task(_load(state, service, on_load_failure, loading))
         try:
             yield
         finally:
@@ -74,9 +80,16 @@ def create_app(
     return app
 
 
-async def _load(state: ServerState, service: LlmService | None, on_failure: Callable[[], None] | None) -> None:
+async def _load(
+    state: ServerState,
+    service: LlmService | None,
+    on_failure: Callable[[], None] | None,
+    loading: Future[LlmService] | None,
+) -> None:
     try:
-        if service is None:
+        if service is None and loading is not None:
+            service = await asyncio.wrap_future(loading)
+        elif service is None:
             service = await asyncio.to_thread(LlmService.load, state.config.engine)
         await service.start()
     except asyncio.CancelledError:
@@ -106,9 +119,10 @@ async def _load(state: ServerState, service: LlmService | None, on_failure: Call
     )
 
 
-def run_server(config: ServerConfig) -> int:
+def run_server(config: ServerConfig, loading: Future[LlmService] | None = None) -> int:
     """Serve until SIGINT/SIGTERM; in-flight requests get ``shutdown_timeout`` seconds to finish; returns 0.  A
-    model that fails to load stops the server at once and returns 1 (unless ``stay_up_on_load_failure``)."""
+    model that fails to load stops the server at once and returns 1 (unless ``stay_up_on_load_failure``).
+    ``loading``: the model's load, begun before this module was imported (else it begins here)."""
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
@@ -116,7 +130,7 @@ def run_server(config: ServerConfig) -> int:
             super().handle_exit(sig, frame)
             self._captured_signals.clear()  # uvicorn would re-raise the signal afterwards: exit -15, not 0
 
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level)
     failed = False
 
     def stop_on_failure() -> None:
@@ -124,7 +138,7 @@ def run_server(config: ServerConfig) -> int:
         failed = server.should_exit = True
 
     uvicorn_config = uvicorn.Config(
-        create_app(config, on_load_failure=stop_on_failure),
+        create_app(config, on_load_failure=stop_on_failure, loading=loading),
         host=config.host,
         port=config.port,
         log_level=config.log_level,

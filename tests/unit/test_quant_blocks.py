@@ -18,6 +18,7 @@ from fiberserve import kernels
 from fiberserve.bench.block_quantizers import quantize_blocks
 from fiberserve.model import LlamaModel, load_checkpoint
 from fiberserve.model.block_formats import NATIVE_BITS
+from fiberserve.model.gguf_rows import GgufRows
 from fiberserve.model.linear import QuantLinear, quant_kernel_available
 from fiberserve.model.quant_blocks import QUANT_GROUP, QuantBlocks
 from tests.tiny_models import TINY, random_weights, write_gguf
@@ -48,6 +49,32 @@ def test_blocks_dequantize_bit_exactly_as_gguf_does(kind):
     grouped = blocks.q.float().view(48, -1, blocks.group)
     wide = blocks.scale[..., None] * grouped + blocks.min[..., None]
     torch.testing.assert_close(wide.view(48, -1), blocks.dequantize(), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_a_files_rows_pack_in_one_pass_to_what_unpacking_then_packing_gives(kind):
+    """GgufRows.pack (the C++ pack_gguf_blocks, 16 rows at a time) gives quant_pack's tensors of the unpacked
+    blocks, bit for bit, for every format; the file's rows joined or reordered as stored unpack to the blocks
+    joined or reordered."""
+    raw = np.concatenate([file_tensor(kind, seed=1), file_tensor(kind, rows=16, seed=2)])
+    for ours, theirs in zip(
+        GgufRows(raw, kind).pack(), kernels.quant_pack(QuantBlocks.from_gguf(raw, kind)), strict=True
+    ):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+    first, second = GgufRows(raw[:48], kind), GgufRows(raw[48:], kind)
+    joined = GgufRows.combine([second, first], lambda parts: torch.cat(parts).flip(0)).unpack()
+    expected = QuantBlocks.cat([QuantBlocks.from_gguf(raw[48:], kind), QuantBlocks.from_gguf(raw[:48], kind)])
+    assert torch.equal(joined.dequantize(), expected.dequantize().flip(0))
+
+
+def test_rows_of_the_files_mapping_are_released_once_read_into_memory_of_their_own():
+    raw, released = file_tensor("Q4_0"), []
+    rows = GgufRows(raw, "Q4_0", lambda: released.append(1))
+    assert rows.map_rows(lambda t: t) is not None and released == []  # the same bytes: still the mapping's
+    moved = rows.map_rows(lambda t: t.flip(0))
+    assert released == [1] and not np.may_share_memory(moved.raw, raw)
+    moved.unpack()
+    assert released == [1]
 
 
 def test_k_formats_keep_their_scales_exactly_in_float32():
@@ -138,7 +165,7 @@ def test_a_file_in_a_served_format_runs_in_its_own_blocks(tmp_path, kind):
     path = write_gguf(tmp_path / "q.gguf", cfg, random_weights(cfg, seed=5), qtype=gguf.GGMLQuantizationType[kind])
     checkpoint = load_checkpoint(path)
     model = LlamaModel(checkpoint, torch.bfloat16, quantization="int4")
-    own = checkpoint.weights.blocks("model.layers.1.mlp.down_proj.weight")
+    own = checkpoint.weights.blocks("model.layers.1.mlp.down_proj.weight").unpack()
     assert own is not None
     down = model.layers[1].down
     if down.native:
@@ -184,14 +211,14 @@ def test_a_qkv_of_two_formats_runs_each_part_in_its_own(tmp_path):
 def test_a_large_head_is_packed_a_few_rows_at_a_time_into_the_same_tensors(tmp_path, monkeypatch, kind):
     """The head's blocks are read and packed ROWS_AT_ONCE rows at a time (never whole as bytes), into exactly
     the tensors packing them whole gives."""
-    from fiberserve.model import linear
+    from fiberserve.model import gguf_rows
 
     cfg = {**TINY, "hidden_size": 256, "intermediate_size": 512}
     path = write_gguf(tmp_path / "m.gguf", cfg, random_weights(cfg, seed=4), qtype=gguf.GGMLQuantizationType[kind])
     checkpoint = load_checkpoint(path)
     head = "model.embed_tokens.weight" if "lm_head.weight" not in checkpoint.weights else "lm_head.weight"
-    whole = kernels.quant_pack(checkpoint.weights.blocks(head))
-    monkeypatch.setattr(linear, "ROWS_AT_ONCE", 48)  # 256 rows: 5 whole pieces and a short one
+    whole = kernels.quant_pack(checkpoint.weights.blocks(head).unpack())
+    monkeypatch.setattr(gguf_rows, "ROWS_AT_ONCE", 48)  # 256 rows: 5 whole pieces and a short one
     model = LlamaModel(load_checkpoint(path), torch.bfloat16, quantization="int4")
     assert model.logits.out_features == cfg["vocab_size"] == 256
     for ours, theirs in zip(model.logits.packed_tensors(), whole, strict=True):

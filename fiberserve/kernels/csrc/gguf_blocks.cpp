@@ -7,8 +7,11 @@
 
 #include <cstring>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include "ops.h"
+#include "quant_pack.h"
 
 namespace fiberserve {
 namespace {
@@ -116,6 +119,7 @@ void unpack_block(const uint8_t* in, const int8_t* table, uint8_t* q, const Outp
 struct Layout {
   Type type;
   int64_t inputs, bytes, groups;  // per block: inputs, bytes, scale groups
+  int64_t bits;                   // of the unpacked q (QuantBlocks.bits)
 };
 
 // Every block of a tensor [N rows of per_row blocks] in format `type`, row after row.
@@ -130,63 +134,128 @@ void unpack_rows(const uint8_t* in, int64_t N, int64_t per_row, const Layout& la
 }
 
 Layout layout_of(const std::string& name) {
-  if (name == "Q4_0") return {Type::kQ4_0, 32, 18, 1};
-  if (name == "IQ4_NL") return {Type::kIQ4_NL, 32, 18, 1};
-  if (name == "Q4_1") return {Type::kQ4_1, 32, 20, 1};
-  if (name == "Q5_0") return {Type::kQ5_0, 32, 22, 1};
-  if (name == "Q5_1") return {Type::kQ5_1, 32, 24, 1};
-  if (name == "Q8_0") return {Type::kQ8_0, 32, 34, 1};
-  if (name == "Q4_K") return {Type::kQ4_K, 256, 144, 8};
-  if (name == "Q5_K") return {Type::kQ5_K, 256, 176, 8};
-  if (name == "Q6_K") return {Type::kQ6_K, 256, 210, 16};
+  if (name == "Q4_0") return {Type::kQ4_0, 32, 18, 1, 4};
+  if (name == "IQ4_NL") return {Type::kIQ4_NL, 32, 18, 1, 8};
+  if (name == "Q4_1") return {Type::kQ4_1, 32, 20, 1, 4};
+  if (name == "Q5_0") return {Type::kQ5_0, 32, 22, 1, 8};
+  if (name == "Q5_1") return {Type::kQ5_1, 32, 24, 1, 8};
+  if (name == "Q8_0") return {Type::kQ8_0, 32, 34, 1, 8};
+  if (name == "Q4_K") return {Type::kQ4_K, 256, 144, 8, 4};
+  if (name == "Q5_K") return {Type::kQ5_K, 256, 176, 8, 8};
+  if (name == "Q6_K") return {Type::kQ6_K, 256, 210, 16, 6};
   TORCH_CHECK(false, "unpack_gguf_blocks: ", name, " is not a served block format");
+}
+
+// f(std::integral_constant<Type, type>) for the runtime `type`: each format's loop compiled on its own.
+template <typename F>
+void for_format(Type type, F&& f) {
+  switch (type) {
+    case Type::kQ4_0: f(std::integral_constant<Type, Type::kQ4_0>{}); break;
+    case Type::kIQ4_NL: f(std::integral_constant<Type, Type::kIQ4_NL>{}); break;
+    case Type::kQ4_1: f(std::integral_constant<Type, Type::kQ4_1>{}); break;
+    case Type::kQ5_0: f(std::integral_constant<Type, Type::kQ5_0>{}); break;
+    case Type::kQ5_1: f(std::integral_constant<Type, Type::kQ5_1>{}); break;
+    case Type::kQ8_0: f(std::integral_constant<Type, Type::kQ8_0>{}); break;
+    case Type::kQ4_K: f(std::integral_constant<Type, Type::kQ4_K>{}); break;
+    case Type::kQ5_K: f(std::integral_constant<Type, Type::kQ5_K>{}); break;
+    case Type::kQ6_K: f(std::integral_constant<Type, Type::kQ6_K>{}); break;
+  }
+}
+
+// The outputs of a tensor [N rows] other than q, allocated, and their pointers (q's left null).
+struct Factors {
+  at::Tensor scale, min, d, steps, dmin, min_steps;
+  Outputs out;
+
+  Factors(const at::Tensor& raw, const Layout& layout, int64_t N, int64_t per_row) {
+    const int64_t groups = per_row * layout.groups;
+    const bool k_format = layout.inputs == 256, mins = layout.type == Type::kQ4_K || layout.type == Type::kQ5_K;
+    const auto bytes = raw.options();
+    scale = at::empty({N, groups}, bytes.dtype(at::kFloat)), min = at::empty({N, groups}, bytes.dtype(at::kFloat));
+    d = at::empty({k_format ? N : 0, per_row}, bytes.dtype(at::kHalf));
+    steps = at::empty({k_format ? N : 0, groups}, bytes.dtype(at::kChar));
+    dmin = at::empty({mins ? N : 0, per_row}, bytes.dtype(at::kHalf));
+    min_steps = at::empty({mins ? N : 0, groups}, bytes.dtype(at::kChar));
+    out = Outputs{nullptr,
+                  scale.data_ptr<float>(),
+                  min.data_ptr<float>(),
+                  k_format ? d.data_ptr<c10::Half>() : nullptr,
+                  mins ? dmin.data_ptr<c10::Half>() : nullptr,
+                  k_format ? steps.data_ptr<int8_t>() : nullptr,
+                  mins ? min_steps.data_ptr<int8_t>() : nullptr};
+  }
+
+  // The outputs from row r on (r rows of per_row blocks, groups a row, per Layout).
+  Outputs from_row(int64_t r, int64_t per_row, const Layout& layout) const {
+    const int64_t g = r * per_row * layout.groups, s = r * per_row;
+    auto at = [](auto* p, int64_t i) { return p ? p + i : p; };
+    return Outputs{nullptr, at(out.scale, g), at(out.min, g), at(out.d, s), at(out.dmin, s), at(out.steps, g),
+                   at(out.min_steps, g)};
+  }
+};
+
+struct Checked {
+  Layout layout;
+  at::Tensor raw, table;
+  int64_t N, per_row;
+};
+
+Checked check(const char* op, const at::Tensor& raw_in, const std::string& type,
+              const std::optional<at::Tensor>& table_in) {
+  TORCH_CHECK(raw_in.dim() == 2 && raw_in.scalar_type() == at::kByte, op, ": raw must be uint8 [N, bytes]");
+  Checked c{layout_of(type), raw_in.contiguous(), at::Tensor(), raw_in.size(0), 0};
+  c.per_row = c.raw.size(1) / c.layout.bytes;
+  TORCH_CHECK(c.raw.size(1) % c.layout.bytes == 0, op, ": a row is not whole ", type, " blocks");
+  if (c.layout.type == Type::kIQ4_NL) {
+    TORCH_CHECK(table_in && table_in->numel() == 16 && table_in->scalar_type() == at::kChar, op,
+                ": IQ4_NL needs its int8 table of 16 values");
+    c.table = table_in->contiguous();
+  }
+  return c;
 }
 
 }  // namespace
 
 std::vector<at::Tensor> unpack_gguf_blocks(const at::Tensor& raw_in, const std::string& type,
                                            const std::optional<at::Tensor>& table_in) {
-  TORCH_CHECK(raw_in.dim() == 2 && raw_in.scalar_type() == at::kByte, "unpack_gguf_blocks: raw must be uint8 [N, bytes]");
-  const Layout layout = layout_of(type);
-  const at::Tensor raw = raw_in.contiguous();
-  const int64_t N = raw.size(0), per_row = raw.size(1) / layout.bytes;
-  TORCH_CHECK(raw.size(1) % layout.bytes == 0, "unpack_gguf_blocks: a row is not whole ", type, " blocks");
-  at::Tensor table;
-  if (layout.type == Type::kIQ4_NL) {
-    TORCH_CHECK(table_in && table_in->numel() == 16 && table_in->scalar_type() == at::kChar,
-                "unpack_gguf_blocks: IQ4_NL needs its int8 table of 16 values");
-    table = table_in->contiguous();
-  }
-  const int64_t K = per_row * layout.inputs, groups = per_row * layout.groups;
-  const bool k_format = layout.inputs == 256, mins = layout.type == Type::kQ4_K || layout.type == Type::kQ5_K;
-  const auto bytes = raw.options();
-  at::Tensor q = at::empty({N, K}, bytes), scale = at::empty({N, groups}, bytes.dtype(at::kFloat)),
-             min = at::empty({N, groups}, bytes.dtype(at::kFloat));
-  at::Tensor d = at::empty({k_format ? N : 0, per_row}, bytes.dtype(at::kHalf));
-  at::Tensor steps = at::empty({k_format ? N : 0, groups}, bytes.dtype(at::kChar));
-  at::Tensor dmin = at::empty({mins ? N : 0, per_row}, bytes.dtype(at::kHalf));
-  at::Tensor min_steps = at::empty({mins ? N : 0, groups}, bytes.dtype(at::kChar));
-  const uint8_t* in = raw.data_ptr<uint8_t>();
-  const int8_t* values = table.defined() ? table.data_ptr<int8_t>() : nullptr;
-  const Outputs out{q.data_ptr<uint8_t>(),
-                    scale.data_ptr<float>(),
-                    min.data_ptr<float>(),
-                    k_format ? d.data_ptr<c10::Half>() : nullptr,
-                    mins ? dmin.data_ptr<c10::Half>() : nullptr,
-                    k_format ? steps.data_ptr<int8_t>() : nullptr,
-                    mins ? min_steps.data_ptr<int8_t>() : nullptr};
-  switch (layout.type) {
-    case Type::kQ4_0: unpack_rows<Type::kQ4_0>(in, N, per_row, layout, values, out); break;
-    case Type::kIQ4_NL: unpack_rows<Type::kIQ4_NL>(in, N, per_row, layout, values, out); break;
-    case Type::kQ4_1: unpack_rows<Type::kQ4_1>(in, N, per_row, layout, values, out); break;
-    case Type::kQ5_0: unpack_rows<Type::kQ5_0>(in, N, per_row, layout, values, out); break;
-    case Type::kQ5_1: unpack_rows<Type::kQ5_1>(in, N, per_row, layout, values, out); break;
-    case Type::kQ8_0: unpack_rows<Type::kQ8_0>(in, N, per_row, layout, values, out); break;
-    case Type::kQ4_K: unpack_rows<Type::kQ4_K>(in, N, per_row, layout, values, out); break;
-    case Type::kQ5_K: unpack_rows<Type::kQ5_K>(in, N, per_row, layout, values, out); break;
-    case Type::kQ6_K: unpack_rows<Type::kQ6_K>(in, N, per_row, layout, values, out); break;
-  }
-  return {q, scale, min, d, steps, dmin, min_steps};
+  const Checked c = check("unpack_gguf_blocks", raw_in, type, table_in);
+  const Layout& layout = c.layout;
+  at::Tensor q = at::empty({c.N, c.per_row * layout.inputs}, c.raw.options());
+  Factors factors(c.raw, layout, c.N, c.per_row);
+  Outputs out = factors.out;
+  out.q = q.data_ptr<uint8_t>();
+  const uint8_t* in = c.raw.data_ptr<uint8_t>();
+  const int8_t* values = c.table.defined() ? c.table.data_ptr<int8_t>() : nullptr;
+  for_format(layout.type, [&](auto format) { unpack_rows<format.value>(in, c.N, c.per_row, layout, values, out); });
+  return {q, factors.scale, factors.min, factors.d, factors.steps, factors.dmin, factors.min_steps};
+}
+
+std::vector<at::Tensor> pack_gguf_blocks(const at::Tensor& raw_in, const std::string& type,
+                                         const std::optional<at::Tensor>& table_in,
+                                         const std::optional<at::Tensor>& out_in) {
+  const Checked c = check("pack_gguf_blocks", raw_in, type, table_in);
+  const Layout& layout = c.layout;
+  const int64_t K = c.per_row * layout.inputs, row_bytes = c.per_row * layout.bytes;
+  TORCH_CHECK(c.N % 16 == 0, "pack_gguf_blocks: the rows must be a multiple of 16, got ", c.N);
+  const std::vector<int64_t> shape = packed_shape(c.N, K, layout.bits);
+  at::Tensor packed = out_in ? *out_in : at::empty(shape, c.raw.options());
+  TORCH_CHECK(packed.sizes() == at::IntArrayRef(shape) && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "pack_gguf_blocks: out must be contiguous uint8 of the packed shape");
+  Factors factors(c.raw, layout, c.N, c.per_row);
+  const uint8_t* in = c.raw.data_ptr<uint8_t>();
+  const int8_t* values = c.table.defined() ? c.table.data_ptr<int8_t>() : nullptr;
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  const int64_t block_bytes = packed_column_block_bytes(K, layout.bits);
+  std::vector<uint8_t> rows(16 * K);  // one column block's q, a byte a weight, reused: it stays in cache
+  for_format(layout.type, [&](auto format) {
+    for (int64_t cb = 0; cb < c.N / 16; ++cb) {
+      Outputs out = factors.from_row(cb * 16, c.per_row, layout);
+      out.q = rows.data();
+      unpack_rows<format.value>(in + cb * 16 * row_bytes, 16, c.per_row, layout, values, out);
+      pack_column_block(rows.data(), K, layout.bits, dst + cb * block_bytes);
+    }
+  });
+  return {packed, factors.scale, factors.min, factors.d, factors.steps, factors.dmin, factors.min_steps};
 }
 
 }  // namespace fiberserve

@@ -49,6 +49,11 @@ bool quant_gemm_available();
 std::vector<at::Tensor> unpack_gguf_blocks(const at::Tensor& raw, const std::string& type,
                                            const std::optional<at::Tensor>& table);
 
+// As unpack_gguf_blocks (N % 16 == 0), with q in quant_linear's packed layout (quant_pack_q's) in place of the
+// byte a weight, which is never whole in memory; written into `out` where given (gguf_blocks.cpp).
+std::vector<at::Tensor> pack_gguf_blocks(const at::Tensor& raw, const std::string& type,
+                                         const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& out);
+
 // q uint8 [N, K] (values below 2^bits, bits 4, 6 or 8) in quant_linear's packed layout (quant_pack.cpp).
 at::Tensor quant_pack_q(const at::Tensor& q, int64_t bits);
 

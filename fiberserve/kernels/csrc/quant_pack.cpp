@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 
 #include "ops.h"
+#include "quant_pack.h"
 
 namespace fiberserve {
 
@@ -18,42 +19,11 @@ at::Tensor quant_pack_q(const at::Tensor& q_in, int64_t bits) {
   const at::Tensor q = q_in.contiguous();
   const int64_t N = q.size(0), K = q.size(1);
   TORCH_CHECK(N % 16 == 0 && K % 32 == 0, "quant_pack_q: N must be a multiple of 16 and K of 32");
-  const int64_t column_blocks = N / 16, blocks = K / 32;
+  at::Tensor packed = at::empty(packed_shape(N, K, bits), q.options());
   const uint8_t* src = q.data_ptr<uint8_t>();
-  if (bits == 8) {
-    at::Tensor packed = at::empty({column_blocks, K / 4, 16, 4}, q.options());
-    uint8_t* out = packed.data_ptr<uint8_t>();
-    for (int64_t cb = 0; cb < column_blocks; ++cb)
-      for (int64_t o = 0; o < 16; ++o) {
-        const uint8_t* row = src + (cb * 16 + o) * K;
-        uint8_t* dst = out + cb * K * 16 + o * 4;
-        for (int64_t s = 0; s < K / 4; ++s)
-          for (int i = 0; i < 4; ++i) dst[s * 64 + i] = row[4 * s + i];
-      }
-    return packed;
-  }
-  const int64_t loads = bits == 4 ? 4 : 6;
-  at::Tensor packed = at::empty({column_blocks, blocks, loads, 16, 4}, q.options());
   uint8_t* out = packed.data_ptr<uint8_t>();
-  for (int64_t cb = 0; cb < column_blocks; ++cb)
-    for (int64_t o = 0; o < 16; ++o) {
-      const uint8_t* row = src + (cb * 16 + o) * K;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* in = row + b * 32;
-        uint8_t* dst = out + ((cb * blocks + b) * loads) * 64 + o * 4;
-        for (int j = 0; j < 4; ++j)
-          for (int i = 0; i < 4; ++i) dst[j * 64 + i] = (in[4 * j + i] & 0x0F) | ((in[16 + 4 * j + i] & 0x0F) << 4);
-        if (bits == 6)
-          for (int pair_load = 0; pair_load < 2; ++pair_load)
-            for (int i = 0; i < 4; ++i) {
-              uint8_t high = 0;
-              for (int pair = 0; pair < 2; ++pair)
-                for (int half = 0; half < 2; ++half)
-                  high |= (in[16 * half + 4 * (2 * pair_load + pair) + i] >> 4) << (2 * (2 * pair + half));
-              dst[(4 + pair_load) * 64 + i] = high;
-            }
-      }
-    }
+  const int64_t block_bytes = packed_column_block_bytes(K, bits);
+  for (int64_t cb = 0; cb < N / 16; ++cb) pack_column_block(src + cb * 16 * K, K, bits, out + cb * block_bytes);
   return packed;
 }
 

@@ -20,6 +20,7 @@ TORCH_LIBRARY(fiberserve, m) {
   m.def("quant_gemm_available() -> bool");
   m.def("quant_pack_q(Tensor q, int bits) -> Tensor");
   m.def("unpack_gguf_blocks(Tensor raw, str type, Tensor? table=None) -> Tensor[]");
+  m.def("pack_gguf_blocks(Tensor raw, str type, Tensor? table=None, Tensor(a!)? out=None) -> Tensor[]");
   m.def("top_k_rows(Tensor x, int k) -> (Tensor, Tensor)");
   m.def("refine_top_logits(Tensor(a!) logits, Tensor hidden, Tensor weight, int k, Tensor? weight_rows=None) -> ()");
   m.def(
@@ -59,6 +60,7 @@ TORCH_LIBRARY_IMPL(fiberserve, CPU, m) {
   m.impl("quant_linear", &fiberserve::quant_linear);
   m.impl("quant_pack_q", &fiberserve::quant_pack_q);
   m.impl("unpack_gguf_blocks", &fiberserve::unpack_gguf_blocks);
+  m.impl("pack_gguf_blocks", &fiberserve::pack_gguf_blocks);
   m.impl("top_k_rows", &fiberserve::top_k_rows);
   m.impl("refine_top_logits", &fiberserve::refine_top_logits);
   m.impl("quant_linear_race", &fiberserve::quant_linear_race);
