@@ -91,6 +91,10 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._readers[name]()
 
+    def __contains__(self, name: object) -> bool:
+        """Whether the checkpoint has ``name`` (nothing is read: Mapping's own test would read the tensor)."""
+        return name in self._readers
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._readers)
 

@@ -311,3 +311,15 @@ def test_the_row_reads_file_is_closed_with_the_gguf_file(tmp_path):
     del file, embedding
     gc.collect()
     assert descriptors_of(Path(path)) == 0
+
+
+def test_asking_whether_a_checkpoint_has_a_tensor_reads_nothing():
+    """``name in weights`` is a lookup: a Mapping's default test reads the tensor (an 8B head: 2 GB in float32)."""
+    from fiberserve.model.loader import LazyWeights
+
+    def unreadable() -> torch.Tensor:
+        raise AssertionError("read")
+
+    weights = LazyWeights()
+    weights.add("lm_head.weight", unreadable)
+    assert "lm_head.weight" in weights and "model.norm.weight" not in weights
