@@ -24,7 +24,7 @@ from fiberserve.bench.peak import (
     weight_bytes_per_token,
 )
 from fiberserve.bench.random_model import FORMATS, SHAPES
-from fiberserve.bench.report import render
+from fiberserve.bench.report import merged, model_section, render
 from fiberserve.config import default_cache_dir
 from fiberserve.model.config import read_config
 
@@ -178,12 +178,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     else:
         missing.append("llama-server (run scripts/peers/build_llama_server.sh)")
     vllm_python = peers_dir / "vllm-venv" / "bin" / "python"
-    if vllm_python.exists():
-        hf_dir = P.write_hf_directory(gguf, cache / "smollm2-hf")
+    if args.vllm and vllm_python.exists():
+        hf_dir = P.write_hf_directory(gguf, cache / ("smollm2-hf" if args.model is None else f"{Path(gguf).stem}-hf"))
         vllm = P.vllm_server(args.port + 2, str(hf_dir), peers_dir, max_seqs=top)
         assert vllm is not None, "the vLLM venv exists"
         servers.append(vllm)
-    else:
+    elif args.vllm:
         missing.append("vLLM (run scripts/peers/install_vllm.sh)")
     # Round after round, each server in turn: a slow spell of this VM lands on every server's figures
     # alike rather than on one server's, and each figure is the median round.
@@ -279,7 +279,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
         chat=chat_series,
         weight_bytes=weight_bytes,
     )
-    Path(args.output).write_text(text)
+    output = Path(args.output)
+    existing = output.read_text() if output.exists() else ""
+    if args.model is None:
+        output.write_text(merged(existing, main=text))
+    else:  # a section of its own, beside the embedded model's report
+        title = f"{Path(gguf).name} ({Path(gguf).stat().st_size / 1e6:.0f} MB)"
+        output.write_text(merged(existing, section=(Path(gguf).name, model_section(text, Path(gguf).name, title))))
     (out_dir / "results.json").write_text(
         json.dumps(
             {
@@ -344,7 +350,14 @@ def main(argv: list[str]) -> int:
         "--chat", action=argparse.BooleanOptionalAction, default=True, help="run the chat workload too (see run)"
     )
     compare.add_argument("--fiberserve-args", default="", help="extra flags for fiberserve serve (one string)")
-    compare.add_argument("--output", default="BENCHMARKS.md")
+    compare.add_argument(
+        "--vllm", action=argparse.BooleanOptionalAction, default=True, help="vLLM too, where installed"
+    )
+    compare.add_argument(
+        "--output",
+        default="BENCHMARKS.md",
+        help="the report; with --model, the file's section of it (replaced, or added beside the others)",
+    )
     compare.add_argument("--out-dir", default="bench-results")
     peak = sub.add_parser("peak", help="the CPU's dot-product peak and the compute bound it sets for a model")
     peak.add_argument("--model", help="GGUF file or Hugging Face directory (default: the embedded model)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import time
 from pathlib import Path
 
@@ -237,3 +238,29 @@ def render(
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", f"![throughput and latency]({plot})", ""]
     return "\n".join(lines)
+
+
+#: The lines that open and close a model's section of BENCHMARKS.md (``compare --model F``), by the file's name.
+_SECTION_OPEN = "<!-- bench compare --model {key}: begin -->"
+_SECTION_CLOSE = "<!-- bench compare --model {key}: end -->"
+_SECTION = re.compile(
+    r"<!-- bench compare --model (?P<key>.+?): begin -->\n.*?<!-- bench compare --model (?P=key): end -->\n", re.S
+)
+
+
+def model_section(report: str, key: str, title: str) -> str:
+    """A report of :func:`render` for a file other than the embedded model as a section of BENCHMARKS.md: its
+    title ``title``, every heading one level down, between the lines that mark it as ``key``'s."""
+    body = report.split("\n", 1)[1]  # "# Benchmarks"
+    demoted = re.sub(r"^(#+) ", r"#\1 ", body, flags=re.M)
+    return f"{_SECTION_OPEN.format(key=key)}\n## {title}\n{demoted.rstrip()}\n\n{_SECTION_CLOSE.format(key=key)}\n"
+
+
+def merged(existing: str, main: str | None = None, section: tuple[str, str] | None = None) -> str:
+    """BENCHMARKS.md from its ``existing`` text: the embedded model's report replaced by ``main`` where given, a
+    model's section (key, text of :func:`model_section`) replaced or added where given; other sections kept."""
+    sections = {m["key"]: m[0] for m in _SECTION.finditer(existing)}
+    head = main if main is not None else _SECTION.sub("", existing).rstrip() + "\n"
+    if section is not None:
+        sections[section[0]] = section[1]
+    return head.rstrip() + "\n" + "".join("\n" + text for text in sections.values())
