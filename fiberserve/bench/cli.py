@@ -259,7 +259,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 )
             finally:
                 server.stop()
-    plot_path = out_dir / "benchmarks.png"
+    plot_path = out_dir / ("benchmarks.png" if args.model is None else f"benchmarks-{Path(gguf).stem}.png")
     plot(series, str(plot_path))
     command = " ".join(["fiberserve", "bench", *map(shlex.quote, args.argv)])
     per_round = {name: [[r.output_tokens_per_s for r in run] for run in runs] for name, runs in rounds.items()}
