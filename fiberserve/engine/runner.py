@@ -19,7 +19,8 @@ from fiberserve.engine.faults import FaultInjector, FaultPoint
 from fiberserve.engine.flight import Flight, FlightItem, FlightResult
 from fiberserve.engine.sampler import race_parameters, sample, score_tokens
 from fiberserve.engine.sequence import TokenLogprob
-from fiberserve.model.llama import ForwardBatch, KVCache, LlamaModel, SequenceSpan
+from fiberserve.model.batch import ForwardBatch, KVCache, SequenceSpan
+from fiberserve.model.llama import LlamaModel
 from fiberserve.model.small_tensors import tensor_of
 
 

@@ -40,9 +40,10 @@ from fiberserve.engine.sampling_params import InvalidParameter, SamplingParams
 from fiberserve.engine.scheduler import Scheduler
 from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent, TokenLogprob, tokens
 from fiberserve.model.assets import DEFAULT_MODEL_NAME, default_model_path
+from fiberserve.model.batch import KVCache
 from fiberserve.model.block_formats import NATIVE_BITS
 from fiberserve.model.config import ModelConfig
-from fiberserve.model.llama import KVCache, LlamaModel
+from fiberserve.model.llama import LlamaModel
 from fiberserve.model.loader import Checkpoint, load_checkpoint
 from fiberserve.model.tokenizer import Tokenizer, load_tokenizer, tokenizer_cache
 from fiberserve.runtime import FiberPool, InvocationTimeout, Isolation, Program

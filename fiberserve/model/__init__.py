@@ -10,8 +10,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from fiberserve.model.batch import ForwardBatch, KVCache, SequenceSpan
     from fiberserve.model.config import ModelConfig, UnsupportedModelError
-    from fiberserve.model.llama import ForwardBatch, KVCache, LlamaModel, SequenceSpan
+    from fiberserve.model.llama import LlamaModel
     from fiberserve.model.loader import Checkpoint, load_checkpoint
     from fiberserve.model.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
@@ -30,12 +31,12 @@ __all__ = [
 ]
 _HOMES = {
     "Checkpoint": "loader",
-    "ForwardBatch": "llama",
+    "ForwardBatch": "batch",
     "IncrementalDetokenizer": "tokenizer",
-    "KVCache": "llama",
+    "KVCache": "batch",
     "LlamaModel": "llama",
     "ModelConfig": "config",
-    "SequenceSpan": "llama",
+    "SequenceSpan": "batch",
     "Tokenizer": "tokenizer",
     "UnsupportedModelError": "config",
     "load_checkpoint": "loader",

@@ -45,33 +45,26 @@ duplication.
 from __future__ import annotations
 
 import math
-import mmap
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 from fiberserve import kernels
-from fiberserve.model.config import ModelConfig
+from fiberserve.model.batch import ForwardBatch, KVCache, SequenceSpan
 from fiberserve.model.file_rows import FileRows
-from fiberserve.model.gguf_rows import GgufRows
+from fiberserve.model.layer_weights import LayerWeights
 from fiberserve.model.linear import (
-    GateUp,
     Linear,
     QuantLinear,
-    StackedLinear,
-    Weight,
     kernel_parts,
     make_linear,
     quant_kernel_available,
-    unpacked,
 )
 from fiberserve.model.loader import Checkpoint, LazyWeights
-from fiberserve.model.quant_blocks import QuantBlocks
 from fiberserve.model.rope_tables import RopeTables
 from fiberserve.model.small_tensors import tensor_of
 
@@ -85,83 +78,6 @@ MIN_QUERY_ROWS = {torch.float32: 8}
 REFINED_LOGITS = 16
 #: Decoder layers built at once when a model loads (threads: their unpacking and packing run without the GIL).
 LAYERS_AT_ONCE = 2
-
-
-@dataclass
-class SequenceSpan:
-    """One sequence's part of a flat batch."""
-
-    start: int  #: first row of this sequence's new tokens in the flat batch
-    length: int  #: number of new tokens (1 for decode)
-    context: int  #: keys visible after this step (cached + new)
-    #: LongTensor [context]: the KV slot of every position 0..context-1 (page-aligned), or None with ``pages``
-    slots: torch.Tensor | None = None
-    pages: tuple[int, ...] | None = None  #: the pages holding those slots, in order (derived from slots if None)
-
-    def page_list(self, page_size: int) -> list[int]:
-        """The pages that hold positions ``0..context-1``."""
-        used = -(-self.context // page_size)
-        if self.pages is not None:
-            return list(self.pages[:used])
-        assert self.slots is not None, "a span needs its slots or its pages"
-        return (self.slots[: self.context : page_size] // page_size).tolist()
-
-
-@dataclass
-class ForwardBatch:
-    tokens: torch.Tensor  #: LongTensor [T]
-    positions: torch.Tensor  #: LongTensor [T]
-    write_slots: torch.Tensor  #: LongTensor [T]: where each new token's K/V goes
-    spans: list[SequenceSpan]
-    logit_rows: torch.Tensor  #: LongTensor [R]: rows whose logits are returned
-    #: Called just before the decoder layers run: on CPU the longest stretch of a step without the GIL, so a
-    #: thread this wakes runs its Python then rather than stall the step's own (the runner hands the previous
-    #: step of a multi-step flight to the event loop here).
-    before_layers: Callable[[], object] | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.tokens.numel())
-
-    def layers_start(self) -> None:
-        """Call ``before_layers``, if any: the last thing before the layers, once their inputs are built."""
-        if self.before_layers is not None:
-            self.before_layers()
-
-
-class KVCache:
-    """Keys and values of every layer, ``[layer, slot, kv_head, head_dim]``; slot = page * page_size + offset.
-
-    Zero-filled; on CPU the zeros are the operating system's (a fresh anonymous mapping), so a cache sized for
-    a model's whole context takes memory only as its pages are first written, but for the first ``resident_pages``
-    (default: all), written at once: the pages the pool hands out first (``PagePool`` takes the lowest free page),
-    whose first writes would otherwise slow the first requests and the pass times the scheduler learns from."""
-
-    def __init__(
-        self, config: ModelConfig, num_pages: int, page_size: int, dtype, device, resident_pages: int | None = None
-    ) -> None:
-        self.num_pages = num_pages
-        self.page_size = page_size
-        shape = (config.num_layers, num_pages * page_size, config.num_kv_heads, config.head_dim)
-        self.k, self.v = _zeros(shape, dtype, device), _zeros(shape, dtype, device)
-        resident = num_pages if resident_pages is None else min(resident_pages, num_pages)
-        for cache in (self.k, self.v):
-            cache[:, : resident * page_size].zero_()
-
-    @staticmethod
-    def bytes_per_page(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * element
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """``torch.zeros``, on CPU in an anonymous mapping of its own (page-aligned; the OS maps its zero pages in as
-    they are first touched, where ``torch.zeros`` writes every byte at once and malloc may hand back used heap)."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    pages = np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8)[:nbytes]  # the array keeps the mapping
-    return torch.from_numpy(pages).view(dtype).view(shape)
 
 
 def _page_table(span: SequenceSpan, page_size: int, padded: int) -> torch.Tensor:
@@ -293,93 +209,6 @@ def _rope_inv_freq(
     return inv_freq.float()
 
 
-class _Layer:
-    def __init__(
-        self,
-        w: LazyWeights,
-        i: int,
-        config: ModelConfig,
-        dtype,
-        device,
-        quantization: str,
-        fused: bool,
-    ) -> None:
-        """``fused``: the model runs the extension's kernels (:attr:`LlamaModel.fused`)."""
-        p = f"model.layers.{i}."
-
-        # Checkpoint precision here: make_linear rounds to dtype, or quantizes from these values.
-        def get(name: str) -> torch.Tensor:
-            return w[p + name].to(device=device)
-
-        def matrix(name: str) -> torch.Tensor | QuantBlocks | GgufRows:
-            """The file's own blocks where the products are quantized and the file's format is served as is: its
-            rows as stored on the CPU (unpacked once joined), else unpacked on ``device``."""
-            blocks = w.blocks(p + name) if quantization == "int4" else None
-            if blocks is None:
-                return get(name)
-            return blocks if torch.device(device).type == "cpu" else blocks.unpack().map_rows(lambda t: t.to(device))
-
-        def linear(weight: Weight, bias: torch.Tensor | None = None) -> Linear | QuantLinear:
-            return make_linear(weight, bias, quantization, dtype)
-
-        def norm(name: str) -> torch.Tensor:
-            return w[p + name + ".weight"].to(device=device, dtype=torch.float32)
-
-        self.attn_norm = norm("input_layernorm")
-        #: Gemma's extra norms, on the attention's output and on the MLP's (None elsewhere).
-        self.post_attn_norm: torch.Tensor | None = None
-        self.post_mlp_norm: torch.Tensor | None = None
-        if config.sandwich_norms:
-            self.post_attn_norm = norm("post_attention_layernorm")
-            self.mlp_norm = norm("pre_feedforward_layernorm")
-            self.post_mlp_norm = norm("post_feedforward_layernorm")
-        else:
-            self.mlp_norm = norm("post_attention_layernorm")
-        #: Per-head norms of q and k (Qwen3, Gemma 3), else None.
-        self.q_norm = norm("self_attn.q_norm") if config.qk_norm else None
-        self.k_norm = norm("self_attn.k_norm") if config.qk_norm else None
-        qkv_bias = None
-        if config.attention_bias:
-            qkv_bias = torch.cat([get(f"self_attn.{x}_proj.bias") for x in "qkv"])
-        stacked = _stack([matrix(f"self_attn.{x}_proj.weight") for x in "qkv"])
-        if isinstance(stacked, list):  # parts in different block formats: a product each
-            biases = [None] * len(stacked) if qkv_bias is None else list(qkv_bias.split([b.shape[0] for b in stacked]))
-            self.qkv: Linear | QuantLinear | StackedLinear = StackedLinear(
-                [linear(b, bias) for b, bias in zip(stacked, biases, strict=True)]
-            )
-        else:
-            self.qkv = linear(stacked, qkv_bias)
-        self.o = linear(matrix("self_attn.o_proj.weight"))
-        gate, up = matrix("mlp.gate_proj.weight"), matrix("mlp.up_proj.weight")
-        self.gate_up = GateUp(gate, up, quantization, dtype, silu_kernel=fused, gelu=config.hidden_act == "gelu_tanh")
-        self.down = linear(matrix("mlp.down_proj.weight"))
-
-
-def _stack(parts: list[Weight]) -> Weight | list[QuantBlocks | GgufRows]:
-    """The rows of ``parts`` one after another: blocks where all are blocks in one format (where the kernel runs
-    them; a file's rows joined as stored), a list of such of consecutive parts alike where their formats differ, else
-    floats."""
-    blocks = [p for p in parts if not isinstance(p, torch.Tensor)]
-    if len(blocks) < len(parts):
-        return torch.cat([p if isinstance(p, torch.Tensor) else unpacked(p).dequantize() for p in parts])
-    runs: list[list[QuantBlocks | GgufRows]] = []
-    for b in blocks:
-        if runs and type(runs[-1][0]) is type(b) and runs[-1][0].same_format(b):  # type: ignore[arg-type]
-            runs[-1].append(b)
-        else:
-            runs.append([b])
-    if len(runs) > 1 and not quant_kernel_available():  # one product: blocks in one format
-        return QuantBlocks.cat([unpacked(b) for b in blocks])
-    joined = [run[0] if len(run) == 1 else _cat_rows(run) for run in runs]
-    return joined[0] if len(joined) == 1 else joined
-
-
-def _cat_rows(run: list[QuantBlocks | GgufRows]) -> QuantBlocks | GgufRows:
-    if all(isinstance(b, GgufRows) for b in run):
-        return GgufRows.cat(run)  # type: ignore[arg-type]
-    return QuantBlocks.cat([unpacked(b) for b in run])
-
-
 def _norm_if(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """``x`` through an RMSNorm of ``weight`` in float32 where there is one (Gemma's extra norms), else ``x``."""
     return x if weight is None else F.rms_norm(x.float(), (x.shape[-1],), weight, eps)
@@ -445,7 +274,8 @@ class LlamaModel:
         with ThreadPoolExecutor(LAYERS_AT_ONCE, thread_name_prefix="fiberserve-load") as pool:
             logits = pool.submit(head)  # beside the first layers
             built = pool.map(
-                lambda i: _Layer(w, i, config, dtype, self.device, quantization, self.fused), range(config.num_layers)
+                lambda i: LayerWeights(w, i, config, dtype, self.device, quantization, self.fused),
+                range(config.num_layers),
             )
             self.layers = list(
                 tqdm(built, total=config.num_layers, desc="loading layers", unit="layer", disable=not progress)

@@ -12,7 +12,7 @@ import torch
 from fiberserve.engine import SamplingParams, speculation
 from fiberserve.engine.faults import FaultPoint
 from fiberserve.engine.sampling_params import InvalidParameter
-from fiberserve.model.llama import ForwardBatch
+from fiberserve.model.batch import ForwardBatch
 from fiberserve.runtime.worker import GIL_SWITCH_INTERVAL_S
 from tests.integration.engine_utils import Engine, assert_same_or_near_tie
 

@@ -119,8 +119,8 @@ def test_a_kv_cache_takes_memory_only_as_its_pages_are_written():
     handed out first: zeros from the operating system, page-aligned."""
     import torch
 
+    from fiberserve.model.batch import KVCache
     from fiberserve.model.config import ModelConfig
-    from fiberserve.model.llama import KVCache
 
     def rss() -> int:
         line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS:"))

@@ -1,0 +1,91 @@
+"""What a forward pass takes: a flat batch of every sequence's new tokens (:class:`ForwardBatch`, a
+:class:`SequenceSpan` per sequence), and the paged K/V it reads and writes (:class:`KVCache`)."""
+
+from __future__ import annotations
+
+import math
+import mmap
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fiberserve.model.config import ModelConfig
+
+
+@dataclass
+class SequenceSpan:
+    """One sequence's part of a flat batch."""
+
+    start: int  #: first row of this sequence's new tokens in the flat batch
+    length: int  #: number of new tokens (1 for decode)
+    context: int  #: keys visible after this step (cached + new)
+    #: LongTensor [context]: the KV slot of every position 0..context-1 (page-aligned), or None with ``pages``
+    slots: torch.Tensor | None = None
+    pages: tuple[int, ...] | None = None  #: the pages holding those slots, in order (derived from slots if None)
+
+    def page_list(self, page_size: int) -> list[int]:
+        """The pages that hold positions ``0..context-1``."""
+        used = -(-self.context // page_size)
+        if self.pages is not None:
+            return list(self.pages[:used])
+        assert self.slots is not None, "a span needs its slots or its pages"
+        return (self.slots[: self.context : page_size] // page_size).tolist()
+
+
+@dataclass
+class ForwardBatch:
+    tokens: torch.Tensor  #: LongTensor [T]
+    positions: torch.Tensor  #: LongTensor [T]
+    write_slots: torch.Tensor  #: LongTensor [T]: where each new token's K/V goes
+    spans: list[SequenceSpan]
+    logit_rows: torch.Tensor  #: LongTensor [R]: rows whose logits are returned
+    #: Called just before the decoder layers run: on CPU the longest stretch of a step without the GIL, so a
+    #: thread this wakes runs its Python then rather than stall the step's own (the runner hands the previous
+    #: step of a multi-step flight to the event loop here).
+    before_layers: Callable[[], object] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    def layers_start(self) -> None:
+        """Call ``before_layers``, if any: the last thing before the layers, once their inputs are built."""
+        if self.before_layers is not None:
+            self.before_layers()
+
+
+class KVCache:
+    """Keys and values of every layer, ``[layer, slot, kv_head, head_dim]``; slot = page * page_size + offset.
+
+    Zero-filled; on CPU the zeros are the operating system's (a fresh anonymous mapping), so a cache sized for
+    a model's whole context takes memory only as its pages are first written, but for the first ``resident_pages``
+    (default: all), written at once: the pages the pool hands out first (``PagePool`` takes the lowest free page),
+    whose first writes would otherwise slow the first requests and the pass times the scheduler learns from."""
+
+    def __init__(
+        self, config: ModelConfig, num_pages: int, page_size: int, dtype, device, resident_pages: int | None = None
+    ) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        shape = (config.num_layers, num_pages * page_size, config.num_kv_heads, config.head_dim)
+        self.k, self.v = _zeros(shape, dtype, device), _zeros(shape, dtype, device)
+        resident = num_pages if resident_pages is None else min(resident_pages, num_pages)
+        for cache in (self.k, self.v):
+            cache[:, : resident * page_size].zero_()
+
+    @staticmethod
+    def bytes_per_page(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * element
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.zeros``, on CPU in an anonymous mapping of its own (page-aligned; the OS maps its zero pages in as
+    they are first touched, where ``torch.zeros`` writes every byte at once and malloc may hand back used heap)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    pages = np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8)[:nbytes]  # the array keeps the mapping
+    return torch.from_numpy(pages).view(dtype).view(shape)
