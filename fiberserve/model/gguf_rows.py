@@ -21,17 +21,6 @@ from fiberserve.model.quant_blocks import QuantBlocks
 #: a few thousand rows however many a matrix has (a vocabulary's head: 128k).
 ROWS_AT_ONCE = 4096
 
-#: GGUF's (inputs per block, bytes per block) for each format :class:`GgufRows` holds.
-_BLOCK_SIZES: dict[str, tuple[int, int]] = {}
-
-
-def _block_size(type_name: str) -> tuple[int, int]:
-    if type_name not in _BLOCK_SIZES:
-        import gguf
-
-        _BLOCK_SIZES[type_name] = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
-    return _BLOCK_SIZES[type_name]
-
 
 def _no_release() -> None:
     return None
@@ -49,7 +38,9 @@ class GgufRows:
 
     @property
     def shape(self) -> tuple[int, int]:
-        inputs, nbytes = _block_size(self.type_name)
+        import gguf
+
+        inputs, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.type_name]]
         return self.raw.shape[0], self.raw.shape[1] // nbytes * inputs
 
     @property

@@ -29,7 +29,7 @@ from fiberserve.server.errors import (
 from fiberserve.server.metrics import Metrics
 from fiberserve.server.middleware import GuardMiddleware
 from fiberserve.server.state import ServerState
-from fiberserve.startup import configure_logging
+from fiberserve.startup import configure_logging, load_in_background
 
 log = logging.getLogger("fiberserve.server")
 
@@ -87,10 +87,8 @@ async def _load(
     loading: Future[LlmService] | None,
 ) -> None:
     try:
-        if service is None and loading is not None:
-            service = await asyncio.wrap_future(loading)
-        elif service is None:
-            service = await asyncio.to_thread(LlmService.load, state.config.engine)
+        if service is None:
+            service = await asyncio.wrap_future(loading or load_in_background(state.config.engine))
         await service.start()
     except asyncio.CancelledError:
         raise

@@ -754,3 +754,39 @@ def test_bench_run_writes_its_json_table_and_plot(server, tmp_path, capsys):
     assert "\n".join(table) in capsys.readouterr().out
     assert out["png"].read_bytes().startswith(b"\x89PNG")
     server.assert_idle()
+
+
+def test_an_app_made_without_a_service_loads_its_model_in_its_lifespan(model_path, cache_dir, tmp_path):
+    """``create_app(config)`` (no service, no load begun before): the lifespan begins the load, /health says 503
+    until it is done, then serves; a file that is no model leaves /health a 503 "failed" and requests a 503
+    naming the failure."""
+    from starlette.testclient import TestClient
+
+    from fiberserve.config import EngineConfig, ServerConfig
+    from fiberserve.server import create_app
+
+    config = ServerConfig(engine=EngineConfig(model=model_path, cache_dir=cache_dir, progress=False))
+    with TestClient(create_app(config)) as client:
+        codes = []
+        for _ in range(600):
+            codes.append(client.get("/health").status_code)
+            if codes[-1] == 200:
+                break
+            time.sleep(0.1)
+        assert codes[-1] == 200 and set(codes) <= {200, 503}
+        r = client.post(
+            "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 1, "temperature": 0}
+        )
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == " Paris"
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a model")
+    config = ServerConfig(engine=EngineConfig(model=str(bad), cache_dir=cache_dir), stay_up_on_load_failure=True)
+    with TestClient(create_app(config)) as client:
+        for _ in range(100):
+            r = client.get("/health")
+            if "failed" in r.text:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 503 and r.json() == {"status": "failed"}
+        r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+        assert r.status_code == 503 and "not a GGUF file" in r.json()["error"]["message"]
