@@ -8,11 +8,12 @@ few chunks; malformed requests (each must get a 4xx JSON error); and overload bu
 must get a 200 or a fast 503).  Any other answer is an error.
 
 The run starts with the largest flights the server allows (``Soak.peak``), then is cut into rounds of
-``--sample-s`` seconds.  After each, the clients close their connections, the
-server is waited for until idle, and its process is sampled: RSS, open file descriptors, threads, asyncio tasks,
-KV pages in use.  The first sample at or after ``--warmup-s`` is the baseline; every later one must have RSS
-within ``RSS_GROWTH`` of it, no page in use, and the same descriptors, threads and tasks.  Exit status 0 when every
-check holds and no request went wrong, 1 otherwise; ``--json`` writes the samples, the request tallies and the
+``--sample-s`` seconds.  After each, the clients close their connections, the server is waited for until idle
+(its heaps' freed memory returned too, which it does ``engine.service.IDLE_TRIM_S`` after its last flight), and its
+process is sampled: RSS, open file descriptors, threads, asyncio tasks, KV pages in use, the C heaps' figures.  The
+first sample at or after ``--warmup-s`` is the baseline; every later one must have RSS within ``RSS_GROWTH`` of it,
+no page in use, and the same descriptors, threads and tasks.  Exit status 0 when every check holds and no request
+went wrong, 1 otherwise; ``--json`` writes the samples, the request tallies and the
 checks.
 
     python scripts/soak.py --minutes 30                   # starts its own server on the embedded model
@@ -42,7 +43,7 @@ import openai
 #: How much the RSS may grow over the baseline sample (a share of it).
 RSS_GROWTH = 0.02
 
-#: Seconds a round waits for the server to go idle (every request's pages back, every fiber free).
+#: Seconds a round waits for the server to go idle (every request's pages back, every fiber free, the heaps trimmed).
 IDLE_TIMEOUT_S = 60.0
 
 #: The server's flags for the soak: two fibers, a small admission queue that bursts overflow, tool parsing on.
@@ -81,11 +82,14 @@ class Sample:
     elapsed_s: float
     requests: int
     rss_kib: int
+    rss_anon_kib: int  #: of ``rss_kib``: anonymous memory (heaps, tensors, stacks)
+    rss_file_kib: int  #: of ``rss_kib``: pages of mapped files (the model file, shared libraries)
     fds: int
     threads: int
     asyncio_tasks: int
     kv_pages_used: int
     kv_pages_cached: int
+    heap_bytes: dict[str, int] | None = None  #: the C heaps' live, kept-free and mapped bytes (glibc only)
 
 
 @dataclass
@@ -116,7 +120,7 @@ def _proc_status(pid: int) -> dict[str, int]:
     values = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, rest = line.partition(":")
-        if key in ("VmRSS", "Threads"):
+        if key in ("VmRSS", "RssAnon", "RssFile", "Threads"):
             values[key] = int(rest.split()[0])
     return values
 
@@ -274,7 +278,7 @@ class Soak:
         while True:
             info = httpx.get(f"{self.url}/get_server_info", timeout=10).json()
             pages, pool = info["kv_pages"], info["pool"]
-            idle = pages["used"] == 0 and pool["busy"] == 0 and not info["active_requests"]
+            idle = pages["used"] == 0 and pool["busy"] == 0 and not info["active_requests"] and info["heap_trimmed"]
             if idle or time.monotonic() > deadline:
                 if not idle:
                     self.errors.append(f"not idle {IDLE_TIMEOUT_S:.0f} s after a round: {pages}, {pool}")
@@ -298,11 +302,14 @@ class Soak:
             elapsed_s=round(time.monotonic() - started, 1),
             requests=self.requests,
             rss_kib=status["VmRSS"],
+            rss_anon_kib=status["RssAnon"],
+            rss_file_kib=status["RssFile"],
             fds=fds,
             threads=status["Threads"],
             asyncio_tasks=info["asyncio_tasks"],
             kv_pages_used=info["kv_pages"]["used"],
             kv_pages_cached=info["kv_pages"]["cached"],
+            heap_bytes=info.get("heap_bytes"),
         )
 
     def run(self, seconds: float, sample_s: float, warmup_s: float) -> Report:

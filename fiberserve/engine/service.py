@@ -20,6 +20,7 @@ import functools
 import logging
 import os
 import random
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +53,12 @@ from fiberserve.runtime.cpu_share import ThreadTeams
 from fiberserve.runtime.worker import hand_over_the_gil_promptly
 
 log = logging.getLogger(__name__)
+
+#: Seconds the engine stays idle before its heaps' freed memory goes back to the system.  While it serves, freed
+#: buffers stay mapped for the next step (``runtime.allocator.keep_freed_buffers``); what they leave behind as the
+#: flights' shapes change is returned once no flight has run for this long (as jemalloc's decay does), so an idle
+#: server holds what it uses.
+IDLE_TRIM_S = 2.0
 
 
 class QueueFull(RuntimeError):
@@ -296,6 +303,9 @@ class LlmService:
         self._flights: set[asyncio.Task] = set()
         self.flights_run = 0
         self.flights_failed = 0
+        #: Whether the heaps' freed memory went back to the system with no flight since (``IDLE_TRIM_S`` idle).
+        self.heap_trimmed = True
+        self._trim_timer: asyncio.TimerHandle | None = None
 
     @classmethod
     def load(cls, config: EngineConfig) -> LlmService:
@@ -335,6 +345,8 @@ class LlmService:
         self.scheduler.release_events()  # a flight cancelled before its first step never takes off
         if self._flights:
             await asyncio.gather(*self._flights, return_exceptions=True)
+        if self._trim_timer is not None:
+            self._trim_timer.cancel()
         if self._loop_task:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
@@ -348,6 +360,22 @@ class LlmService:
             await self._wake.wait()
             self._wake.clear()
             self._board_flights()
+
+    def _arm_idle_trim(self) -> None:
+        """As a flight ends: return the heaps' freed memory to the system ``IDLE_TRIM_S`` from now if the engine is
+        idle then (an earlier flight's timer is dropped); on the loop, so that no flight boards while it runs."""
+        loop = asyncio.get_running_loop()
+        if self._trim_timer is not None:
+            self._trim_timer.cancel()
+
+        def trim() -> None:
+            if self.is_idle():
+                started = time.perf_counter()
+                trim_freed_memory()
+                self.heap_trimmed = True
+                log.debug("heaps trimmed at idle in %.1f ms", (time.perf_counter() - started) * 1e3)
+
+        self._trim_timer = loop.call_later(IDLE_TRIM_S, trim)
 
     def _board_flights(self, release_events_on_takeoff: bool = False) -> int:
         """Start flights while a fiber is free and the scheduler has work; returns how many started.  With
@@ -363,6 +391,7 @@ class LlmService:
             flight.on_step = functools.partial(self._land_step, loop, flight)
             flight.on_takeoff = on_takeoff
             self._flights.add(asyncio.create_task(self._fly(flight)))
+            self.heap_trimmed = False
             boarded += 1
         return boarded
 
@@ -402,6 +431,7 @@ class LlmService:
                     self.scheduler.release_events()
         finally:
             self._flights.discard(asyncio.current_task())
+            self._arm_idle_trim()
             self._wake.set()
             if self.config.check_integrity and self.is_idle() and self.broken is None:
                 try:

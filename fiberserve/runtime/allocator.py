@@ -32,6 +32,27 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (malloc.h): every field a ``size_t``."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")
+    ]  # fmt: skip
+
+
+def heap_figures() -> dict[str, int] | None:
+    """The C heaps' bytes over all arenas (glibc's ``mallinfo2``; None elsewhere): ``in_use`` by live blocks,
+    ``free`` kept by the heaps for reuse, ``mapped`` in blocks that are mappings of their own."""
+    mallinfo2 = getattr(_libc(), "mallinfo2", None)
+    if mallinfo2 is None:
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return {"in_use": info.uordblks, "free": info.fordblks, "mapped": info.hblkhd}
+
+
 def trim_freed_memory() -> bool:
     """Return the heaps' free memory to the system now (glibc's ``malloc_trim``; False elsewhere): what a load's
     small temporaries leave in the heaps of the threads that made them, which the thresholds above do not."""

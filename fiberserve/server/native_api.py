@@ -20,6 +20,7 @@ from fiberserve.engine.faults import FaultPoint
 from fiberserve.engine.sequence import FinishReason, Sequence, TokenLogprob
 from fiberserve.engine.service import CompletionOutput, completion_of
 from fiberserve.model.tokenizer import Tokenizer
+from fiberserve.runtime.allocator import heap_figures
 from fiberserve.server.errors import ApiError, failure_body, from_engine
 from fiberserve.server.protocol import GenerateRequest
 from fiberserve.server.state import ServerState
@@ -100,6 +101,8 @@ async def server_info(request: Request) -> dict:
         "running_sequences": len(service.scheduler.running),
         "waiting_sequences": len(service.scheduler.waiting),
         "asyncio_tasks": len(asyncio.all_tasks()),
+        "heap_bytes": heap_figures(),
+        "heap_trimmed": service.heap_trimmed,
         "flights_run": service.flights_run,
         "flights_failed": service.flights_failed,
         "program_instances_built": service.program.instances_built,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fiberserve.engine import SamplingParams, speculation
+from fiberserve.engine import service as service_module
 from fiberserve.engine.faults import FaultPoint
 from fiberserve.engine.sampling_params import InvalidParameter
 from fiberserve.model.batch import ForwardBatch
@@ -317,6 +318,35 @@ async def test_abort_mid_generation_frees_every_page(engine):
             await asyncio.sleep(0.05)
         assert svc.is_idle() and svc.pages.used_pages == 0
         svc.check_integrity()
+    finally:
+        await svc.close()
+
+
+async def test_the_heaps_are_trimmed_only_once_the_engine_has_been_idle(engine, monkeypatch):
+    """Never while a sequence runs, however short ``IDLE_TRIM_S``; within it of the last flight after; and a
+    request after the trim gets what it got before."""
+    monkeypatch.setattr(service_module, "IDLE_TRIM_S", 0.05)
+    svc = engine.service(fibers=2)
+    await svc.start()
+    try:
+        prompt = engine.chat_prompts(1)[0]
+        params = SamplingParams(max_new_tokens=120, temperature=0, ignore_eos=True)
+        request = svc.submit(prompt, params)
+        trimmed_while_running = []
+        while not request.seqs[0].finished:
+            if request.seqs[0].output_ids:  # boarded: a flight has run since any trim
+                trimmed_while_running.append(svc.heap_trimmed)
+            await asyncio.sleep(0.01)
+        before = (await svc.wait(request)).outputs[0].token_ids
+        assert len(trimmed_while_running) > 10 and not any(trimmed_while_running)
+        assert not svc.heap_trimmed
+        for _ in range(200):
+            if svc.heap_trimmed:
+                break
+            await asyncio.sleep(0.01)
+        assert svc.heap_trimmed and svc.is_idle()
+        after = (await svc.generate(prompt, params)).outputs[0].token_ids
+        assert after == before and len(after) == 120
     finally:
         await svc.close()
 
