@@ -27,6 +27,8 @@ def setting(default: Any = MISSING, help: str = "", *, choices: tuple[str, ...] 
 
 #: ``tool_call_parser`` values: how ``tool_choice: "auto"`` reads calls (none: it is refused).
 TOOL_CALL_PARSERS = ("none", "hermes")
+#: ``reasoning_parser`` values: how a chat answer's thinking is split from it (none: it stays in the content).
+REASONING_PARSERS = ("none", "deepseek_r1", "qwen3")
 
 
 @dataclass
@@ -137,6 +139,12 @@ class ServerConfig:
         "blocks, as Qwen2.5 and Hermes models write them)",
         choices=TOOL_CALL_PARSERS,
     )
+    reasoning_parser: str = setting(
+        "none",
+        "split a chat answer's thinking into reasoning_content: deepseek_r1 (answers begin inside <think>...</think>,"
+        " as DeepSeek-R1 and Qwen3's thinking models write them), qwen3 (answers that open with <think>) or none",
+        choices=REASONING_PARSERS,
+    )
     shutdown_timeout: float = setting(30.0, "seconds SIGTERM lets in-flight requests finish before aborting them")
     log_level: str = setting("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
     # Exiting is what vLLM, SGLang and llama-server do, and what process managers expect.
@@ -177,3 +185,6 @@ class ServerConfig:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             choices = ", ".join(TOOL_CALL_PARSERS)
             raise ValueError(f"tool_call_parser must be one of {choices}, not {self.tool_call_parser!r}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            choices = ", ".join(REASONING_PARSERS)
+            raise ValueError(f"reasoning_parser must be one of {choices}, not {self.reasoning_parser!r}")

@@ -52,21 +52,29 @@ class Tokenizer:
         return self.hf.batch_decode([[i] for i in ids], skip_special_tokens=False)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> str:
         """The prompt text for ``messages`` (and ``tools``, where the template shows them to the model), rendered
-        by the model's own template."""
+        by the model's own template with ``variables`` (``enable_thinking``, ...) defined for it."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use /v1/completions or /generate")
         return self.hf.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **(variables or {})
         )
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> list[int]:
         # The rendered template carries its own special tokens: add none twice.
-        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, variables)
         return self.encode(text, add_special_tokens=False)
 
     def detokenizer(

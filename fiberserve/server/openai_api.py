@@ -18,6 +18,7 @@ from fiberserve.engine.sequence import FinishReason, TokenLogprob
 from fiberserve.engine.service import CompletionOutput, RequestOutput
 from fiberserve.server.errors import ApiError, failure_body, from_engine
 from fiberserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from fiberserve.server.reasoning import MARKERS, ReasoningStream, ThinkMarkers, split_reasoning
 from fiberserve.server.state import ServerState
 from fiberserve.server.tools import NamedToolChoice, ToolCallRenderer, template_tools
 
@@ -210,33 +211,51 @@ class _ChatCompletions(_Completions):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, logprobs: bool, tools: ToolCallRenderer | None = None) -> None:
+    def __init__(
+        self, logprobs: bool, tools: ToolCallRenderer | None = None, reasoning: ThinkMarkers | None = None
+    ) -> None:
+        """``tools``: the answers may be tool calls; ``reasoning``: their thinking goes to ``reasoning_content``
+        (server/reasoning.py), and tool calls are read from the rest."""
         super().__init__(logprobs)
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.started: set[int] = set()
-        self.tools = tools  # the answers are tool calls
+        self.tools = tools
+        self.reasoning = reasoning
+        self.thinking: dict[int, ReasoningStream] = {}  # per streamed choice
 
     def choice(self, state: ServerState, index: int, comp: CompletionOutput, output: RequestOutput) -> dict:
         lps = _chat_logprobs(state, comp.logprobs) if self.logprobs else None
-        message, finish = {"role": "assistant", "content": comp.text}, _reason(comp.finish_reason)
+        thinking, text = split_reasoning(self.reasoning, comp.text) if self.reasoning else (None, comp.text)
+        message, finish = {"role": "assistant", "content": text}, _reason(comp.finish_reason)
         if self.tools is not None:
-            message, finish = self.tools.message(comp.text, finish)
+            message, finish = self.tools.message(text, finish)
+        if thinking is not None:
+            message |= {"reasoning_content": thinking, "reasoning": thinking}  # vLLM's newer name too
         return {"index": index, "message": message, "logprobs": lps, "finish_reason": finish}
 
     def delta_choice(self, index: int, delta: str, finish: str | None) -> dict | None:
-        if not delta and finish is None:
+        thinking = ""
+        if self.reasoning is not None:
+            stream = self.thinking.setdefault(index, ReasoningStream(self.reasoning))
+            thinking, delta = stream.feed(delta, final=finish is not None)
+        if not delta and not thinking and finish is None:
             return None
         first = index not in self.started
         self.started.add(index)
+        content: dict | None
         if self.tools is not None:
             made = self.tools.delta(index, delta, finish, first)
-            if made is None:
-                return None
-            content, finish = made
+            content, finish = (None, finish) if made is None else made
+        elif delta or (finish is None and not thinking):
+            content = {"content": delta}
         else:
-            content = {"content": delta} if delta or finish is None else {}
-            if first:
-                content = {"role": "assistant", "content": delta}
+            content = {}
+        if thinking:
+            content = {**(content or {}), "reasoning_content": thinking, "reasoning": thinking}
+        if content is None:
+            return None
+        if first:
+            content = {"role": "assistant", **content}
         return {"index": index, "delta": content, "logprobs": None, "finish_reason": finish}
 
     def delta_logprobs(self, state: ServerState, lps: list[TokenLogprob]) -> dict:
@@ -282,6 +301,19 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _serve(request, state, prompts, params, _OPENAI_NAMES, body.stream, include_usage, render)
 
 
+def _think_markers(
+    state: ServerState, body: ChatCompletionRequest, tool_mode: str | None, grammar
+) -> ThinkMarkers | None:
+    """How the answers' thinking is marked, where it is split from them: under ``--reasoning-parser``, unless
+    the client turned it off (SGLang's ``separate_reasoning``) or the answers are tool calls by grammar.  A
+    constrained answer follows its grammar from its first token: it thinks only where it opens with the start
+    marker."""
+    markers = MARKERS.get(state.config.reasoning_parser)
+    if markers is None or not body.separate_reasoning or tool_mode in ("named", "required"):
+        return None
+    return dataclasses.replace(markers, begins_inside=False) if grammar is not None else markers
+
+
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = _state(request)
@@ -290,13 +322,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     try:
         tool_mode = body.tool_mode(state.config.tool_call_parser)
         params = body.params()
+        variables = body.template_variables()
     except InvalidParameter as exc:
         raise from_engine(exc, _CHAT_NAMES) from None
     if tool_mode == "auto" and body.skip_special_tokens is None:  # a model's call tags may be special tokens
         params = dataclasses.replace(params, skip_special_tokens=False)
-    prompt = state.encode_chat(body.messages, tools=template_tools(body.tools))
+    prompt = state.encode_chat(body.messages, tools=template_tools(body.tools), variables=variables)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     choice = body.tool_choice
     named = choice.function.name if tool_mode == "named" and isinstance(choice, NamedToolChoice) else None
-    render = _ChatCompletions(params.logprobs, ToolCallRenderer(tool_mode, named) if tool_mode else None)
+    tools = ToolCallRenderer(tool_mode, named) if tool_mode else None
+    render = _ChatCompletions(params.logprobs, tools, _think_markers(state, body, tool_mode, params.grammar))
     return await _serve(request, state, [prompt], params, _CHAT_NAMES, body.stream, include_usage, render)

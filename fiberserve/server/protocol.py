@@ -3,8 +3,9 @@
 Unknown keys are tolerated (clients send engine-specific extras) and null
 means "use the default", as SGLang and vLLM behave.  Options a client sets to
 change the answer in a way this server does not implement (``suffix``, tool
-choice ``auto`` without ``--tool-call-parser``, ...) are refused by name instead:
-an answer that silently ignored them would be wrong.
+choice ``auto`` without ``--tool-call-parser``, the peers' keys of
+``peer_keys.py``, ...) are refused by name instead: an answer that silently
+ignored them would be wrong.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from fiberserve.engine.grammar import GrammarSpec, choice_regex, schema_text
 from fiberserve.engine.sampling_params import InvalidParameter, SamplingParams
+from fiberserve.server.peer_keys import unhonoured
 from fiberserve.server.tools import ToolChoice, ToolSpec, tool_grammar, tool_mode
 
 Int = int
@@ -23,6 +25,17 @@ Float = float
 
 class Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class Body(BaseModel):
+    """A request body whose undeclared keys are kept (``model_extra``) for :meth:`refuse_unhonoured`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def refuse_unhonoured(self) -> None:
+        """Raise InvalidParameter for the first peer's key set here that this server does not honour."""
+        if refused := unhonoured(self.model_extra):
+            raise refused
 
 
 #: Constrained decoding's keys, SGLang's and vLLM's, and the kind of grammar each gives (see engine/grammar.py).
@@ -34,10 +47,15 @@ GRAMMAR_KEYS = {
     "guided_regex": "regex",
     "guided_choice": "regex",
     "guided_grammar": "ebnf",
+    "grammar": "ebnf",  # llama.cpp's GBNF, which xgrammar's EBNF reads
 }
 
+#: vLLM's ``structured_outputs`` keys and the grammar keys above they stand for.
+STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                      "grammar": "guided_grammar"}  # fmt: skip
 
-class SamplingFields(Lenient):
+
+class SamplingFields(Body):
     """The sampling keys every API shares, under the same names."""
 
     temperature: Float | None = None
@@ -61,34 +79,61 @@ class SamplingFields(Lenient):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    grammar_: str | None = Field(default=None, alias="grammar")  # llama.cpp's GBNF
+    structured_outputs: dict[str, Any] | None = None
 
     def shared_values(self) -> dict[str, Any]:
-        values = {name: getattr(self, name) for name in SamplingFields.model_fields if name not in GRAMMAR_KEYS}
+        self.refuse_unhonoured()
+        grammar_fields = {"grammar_", "structured_outputs", *GRAMMAR_KEYS}
+        values = {name: getattr(self, name) for name in SamplingFields.model_fields if name not in grammar_fields}
         values["stop"] = _stops(self.stop)
         values["logit_bias"] = _token_biases(self.logit_bias)
         values["grammar"] = self.grammar()
         return values
 
     def grammar(self) -> GrammarSpec | None:
-        """The one constraint the request gives (a grammar key, or OpenAI's ``response_format``), if any."""
-        given = [key for key in GRAMMAR_KEYS if getattr(self, key) is not None]
+        """The one constraint the request gives (a grammar key, vLLM's ``structured_outputs`` or OpenAI's
+        ``response_format``), if any."""
+        # field as the client named it -> (the grammar key it stands for, its value)
+        given = {key: (key, getattr(self, "grammar_" if key == "grammar" else key)) for key in GRAMMAR_KEYS}
+        given |= _structured_outputs(self.structured_outputs)
+        named = [field for field, (_, value) in given.items() if value is not None]
         response_format = getattr(self, "response_format", None)
         if response_format is not None and response_format.get("type", "text") != "text":
-            given.append("response_format")
-        if len(given) > 1:
-            raise InvalidParameter(given[1], f"only one constraint per request (this one and {given[0]})")
-        if not given:
+            named.append("response_format")
+        if len(named) > 1:
+            raise InvalidParameter(named[1], f"only one constraint per request (this one and {named[0]})")
+        if not named:
             return None
-        key = given[0]
-        if key == "response_format" and response_format is not None:
+        field = named[0]
+        if field == "response_format" and response_format is not None:
             return _response_format_grammar(response_format)
-        value = getattr(self, key)
+        key, value = given[field]
+        if key == "json_object":
+            return GrammarSpec("json_object", "", field)
         if key == "guided_choice":
             if not value or not all(value):
-                raise InvalidParameter(key, "must be a non-empty list of non-empty strings")
-            return GrammarSpec("regex", choice_regex(value), key)
+                raise InvalidParameter(field, "must be a non-empty list of non-empty strings")
+            return GrammarSpec("regex", choice_regex(value), field)
         kind = GRAMMAR_KEYS[key]
-        return GrammarSpec(kind, schema_text(value) if kind == "json_schema" else value, key)
+        return GrammarSpec(kind, schema_text(value) if kind == "json_schema" else value, field)
+
+
+def _structured_outputs(spec: dict[str, Any] | None) -> dict[str, tuple[str, Any]]:
+    """vLLM's ``structured_outputs``: each key set, named ``structured_outputs.KEY``, with the grammar key it
+    stands for (``json_object: true`` as itself) and its value."""
+    given = {}
+    for key, value in (spec or {}).items():
+        field = f"structured_outputs.{key}"
+        if value is None or (key == "json_object" and value is False):
+            continue
+        if key == "json_object":
+            given[field] = ("json_object", True)
+        elif key in STRUCTURED_OUTPUTS:
+            given[field] = (STRUCTURED_OUTPUTS[key], value)
+        else:
+            raise InvalidParameter(field, "is not supported")
+    return given
 
 
 def _response_format_grammar(response_format: dict[str, Any]) -> GrammarSpec:
@@ -140,7 +185,7 @@ def build_params(defaults: dict[str, Any], **given: Any) -> SamplingParams:
         raise InvalidParameter("sampling_params", str(exc)) from None
 
 
-class GenerateRequest(Lenient):
+class GenerateRequest(Body):
     """SGLang's ``POST /generate``."""
 
     text: str | list[str] | None = None
@@ -170,6 +215,7 @@ class GenerateRequest(Lenient):
         return sp.max_new_tokens if sp.max_new_tokens is not None else sp.max_completion_tokens
 
     def params(self) -> SamplingParams:
+        self.refuse_unhonoured()
         sp = self.sampling_params or NativeSamplingParams()
         values = sp.shared_values()
         if values["seed"] is None:
@@ -263,6 +309,14 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     ]
 
 
+#: The names ``transformers``' ``apply_chat_template`` takes for itself, which a template variable cannot have.
+TEMPLATE_ARGUMENTS = frozenset(
+    ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+     "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens", "kwargs")
+)  # fmt: skip
+
+
 class ChatCompletionRequest(OpenAICommon):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = None
@@ -272,6 +326,20 @@ class ChatCompletionRequest(OpenAICommon):
     tools: list[ToolSpec] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    #: Variables for the chat template (``enable_thinking``, ...), and OpenAI's ``reasoning_effort`` as one.
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    separate_reasoning: StrictBool = True  # SGLang's: False leaves the thinking in the content
+
+    def template_variables(self) -> dict[str, Any]:
+        """What the chat template reads beyond the messages and tools."""
+        variables = dict(self.chat_template_kwargs or {})
+        for name in variables:
+            if name in TEMPLATE_ARGUMENTS:
+                raise InvalidParameter("chat_template_kwargs", f"{name!r} is the renderer's own, not a variable")
+        if self.reasoning_effort is not None:
+            variables.setdefault("reasoning_effort", self.reasoning_effort)
+        return variables
 
     def tool_mode(self, parser: str = "none") -> str | None:
         """``"named"`` or ``"required"`` where the answer is tool calls, ``"auto"`` where the model chooses (under
@@ -292,10 +360,13 @@ class ChatCompletionRequest(OpenAICommon):
 
 
 class TokenizeRequest(Lenient):
-    """vLLM's ``POST /tokenize``: a prompt, or chat messages rendered by the model's chat template."""
+    """vLLM's ``POST /tokenize``: a prompt (llama.cpp's ``content``), or chat messages rendered by the model's chat
+    template."""
 
     model: str | None = None
     prompt: str | None = None
+    content: str | None = None
+    add_special: StrictBool = False  # with content: llama.cpp's add_special_tokens, off by default there
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     tools: list[ToolSpec] | None = None  # with messages: where the template shows them, they count too
     add_special_tokens: StrictBool = True

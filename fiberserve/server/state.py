@@ -6,7 +6,7 @@ import asyncio
 import re
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import jinja2
 from fastapi import Request as HttpRequest
@@ -65,11 +65,17 @@ class ServerState:
         return self.ready_service().tokenizer.encode(text)
 
     def encode_chat(
-        self, messages: list[ChatMessage], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> list[int]:
-        """The prompt of a chat, rendered by the model's template; 400 naming ``messages`` if it cannot be."""
+        """The prompt of a chat, rendered by the model's template (with ``variables`` defined for it); 400 naming
+        ``messages`` if it cannot be."""
         try:
-            return self.ready_service().tokenizer.encode_chat(chat_messages(messages), add_generation_prompt, tools)
+            tokenizer = self.ready_service().tokenizer
+            return tokenizer.encode_chat(chat_messages(messages), add_generation_prompt, tools, variables)
         except InvalidParameter as exc:  # a content part that is not text
             raise ApiError(400, str(exc), exc.field) from None
         except (ValueError, jinja2.TemplateError) as exc:  # no chat template, or it refused the messages

@@ -21,15 +21,18 @@ def _state(request: Request) -> ServerState:
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
-    """``{"count", "max_model_len", "tokens"}`` for ``prompt`` (as ``/v1/completions`` encodes it) or for
-    ``messages`` (as ``/v1/chat/completions`` renders and encodes them)."""
+    """``{"count", "max_model_len", "tokens"}`` for ``prompt`` or llama.cpp's ``content`` (as ``/v1/completions``
+    encodes it) or for ``messages`` (as ``/v1/chat/completions`` renders and encodes them)."""
     state = _state(request)
     service = state.ready_service()
     state.check_model(body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise ApiError(400, "prompt: give either a prompt or messages", "prompt")
-    if body.prompt is not None:
-        tokens = service.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    prompt, add_special = (
+        (body.prompt, body.add_special_tokens) if body.content is None else (body.content, body.add_special)
+    )
+    if sum(given is not None for given in (body.prompt, body.content, body.messages)) != 1:
+        raise ApiError(400, "prompt: give one of prompt, content (llama.cpp's name) or messages", "prompt")
+    if prompt is not None:
+        tokens = service.tokenizer.encode(prompt, add_special_tokens=add_special)
     elif body.messages is not None:
         tokens = state.encode_chat(body.messages, body.add_generation_prompt, template_tools(body.tools))
     return {"count": len(tokens), "max_model_len": service.max_context, "tokens": tokens}

@@ -19,7 +19,9 @@ pytestmark = pytest.mark.slow
 def server(start_server, model_path):
     # bf16 on every CPU, so that the answers these tests read are the same on all (the default is int4 where
     # that is faster: see test_default_quantization_is_the_files_own_where_int4_is_faster)
-    proc = start_server("--fibers", "2", "--tool-call-parser", "hermes", "--quantization", "none").wait_ready()
+    proc = start_server(
+        "--fibers", "2", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--quantization", "none"
+    ).wait_ready()  # fmt: skip
     yield proc
     assert proc.stop() == 0
 
@@ -598,6 +600,65 @@ def test_auto_tool_choice_answers_text_or_the_calls_the_model_writes(server):
     ]
     assert not "".join(ch.choices[0].delta.content or "" for ch in chunks)
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    server.assert_idle()
+
+
+def test_the_reasoning_parser_splits_thinking_from_the_answer_streamed_or_not(server):
+    """Under --reasoning-parser qwen3 an answer that opens with <think> thinks until </think> (a regex makes
+    SmolLM2 write one); an answer that does not is all content, as before."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    ask = {
+        "model": client.models.list().data[0].id,
+        "messages": [{"role": "user", "content": "Is the sky blue?"}],
+        "temperature": 0,
+        "max_tokens": 60,
+    }
+    plain = client.chat.completions.create(**ask).choices[0].message
+    assert plain.content and getattr(plain, "reasoning_content", None) is None
+    thinking = r"<think>\nThe sky [a-z]{1,12}\.\n</think>\n\n(Yes|No)\."
+    forced = {**ask, "extra_body": {"guided_regex": thinking}}
+    message = client.chat.completions.create(**forced).choices[0].message
+    assert re.fullmatch(r"\nThe sky [a-z]{1,12}\.\n", message.reasoning_content)
+    assert message.reasoning == message.reasoning_content  # vLLM's newer name
+    assert message.content in ("Yes.", "No.")
+    chunks = list(client.chat.completions.create(stream=True, **forced))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == message.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == message.content
+    kept = client.chat.completions.create(
+        **{**forced, "extra_body": {**forced["extra_body"], "separate_reasoning": False}}
+    )
+    assert kept.choices[0].message.content.startswith("<think>\nThe sky ")
+    server.assert_idle()
+
+
+def test_peer_keys_not_honoured_are_refused_by_name_and_grammar_is_gbnf(server):
+    """llama.cpp's, vLLM's and OpenAI's keys that fiberserve does not serve get a 400 naming them unless they
+    are at their neutral value; llama.cpp's GBNF ``grammar`` and vLLM's ``structured_outputs`` constrain."""
+    ask = {"messages": [{"role": "user", "content": "Is the sky blue?"}], "max_tokens": 8, "temperature": 0}
+    with server.client() as c:
+        for key, value in [("typical_p", 0.5), ("mirostat", 2), ("dry_multiplier", 0.8), ("lora", [{"id": 0}]),
+                           ("use_beam_search", True), ("priority", 3), ("xtc_probability", 0.5)]:  # fmt: skip
+            r = c.post("/v1/chat/completions", json={**ask, key: value})
+            assert r.status_code == 400 and r.json()["error"]["param"] == key, (key, r.text)
+        neutral = {"typical_p": 1.0, "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0, "lora": []}
+        assert c.post("/v1/chat/completions", json={**ask, **neutral}).status_code == 200
+        r = c.post("/generate", json={"text": "Is the sky blue?", "sampling_params": {"typical_p": 0.5}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "typical_p"
+        for constraint in ({"grammar": 'root ::= "yes" | "no"'},
+                           {"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}},
+                           {"structured_outputs": {"choice": ["yes", "no"]}},
+                           {"structured_outputs": {"regex": "(yes|no)"}}):  # fmt: skip
+            answer = c.post("/v1/chat/completions", json={**ask, **constraint}).json()
+            assert answer["choices"][0]["message"]["content"] in ("yes", "no"), (constraint, answer)
+        r = c.post("/v1/chat/completions", json={**ask, "structured_outputs": {"structural_tag": "x"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs.structural_tag"
+        r = c.post("/v1/chat/completions", json={**ask, "grammar": 'root ::= "yes"', "guided_regex": "no"})
+        assert r.status_code == 400
+        tokens = c.post("/tokenize", json={"content": "The capital of France is"}).json()["tokens"]
+        assert tokens == c.post("/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"]
     server.assert_idle()
 
 

@@ -1,0 +1,88 @@
+"""The request bodies' keys without a server: peers' keys refused unless neutral, the constraints each key
+gives, and the chat template's variables."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+
+from fiberserve.engine.sampling_params import InvalidParameter
+from fiberserve.server.peer_keys import NEUTRAL_VALUES
+from fiberserve.server.protocol import TEMPLATE_ARGUMENTS, ChatCompletionRequest, GenerateRequest
+
+MESSAGES = [{"role": "user", "content": "Is the sky blue?"}]
+
+
+def chat(**keys) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": MESSAGES, **keys})
+
+
+@pytest.mark.parametrize("key", sorted(NEUTRAL_VALUES))
+def test_every_peer_key_is_refused_by_name_unless_neutral_or_null(key):
+    for neutral in (None, *NEUTRAL_VALUES[key]):
+        chat(**{key: neutral}).params()
+    with pytest.raises(InvalidParameter) as refused:
+        chat(**{key: {"something": "else"}}).params()
+    assert refused.value.field == key
+
+
+def test_a_boolean_is_not_taken_for_a_neutral_number_and_generate_refuses_at_both_levels():
+    with pytest.raises(InvalidParameter, match="mirostat"):
+        chat(mirostat=False).params()  # False == 0, but a client that sent a boolean meant something else
+    chat(mirostat=0, mirostat_tau=5.0, dry_base=1.75, xtc_threshold=0.1, some_unknown_key=1).params()
+    for body in ({"text": "hi", "lora_path": "x"}, {"text": "hi", "sampling_params": {"typical_p": 0.5}}):
+        with pytest.raises(InvalidParameter) as refused:
+            GenerateRequest.model_validate(body).params()
+        assert refused.value.field in ("lora_path", "typical_p")
+
+
+@pytest.mark.parametrize(
+    "keys,kind,text,field",
+    [
+        ({"grammar": 'root ::= "yes"'}, "ebnf", 'root ::= "yes"', "grammar"),
+        ({"structured_outputs": {"grammar": 'root ::= "a"'}}, "ebnf", 'root ::= "a"', "structured_outputs.grammar"),
+        ({"structured_outputs": {"regex": "a+"}}, "regex", "a+", "structured_outputs.regex"),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, "regex", "(a|b)", "structured_outputs.choice"),
+        ({"structured_outputs": {"json_object": True}}, "json_object", "", "structured_outputs.json_object"),
+    ],
+)
+def test_llama_cpp_s_grammar_and_vllm_s_structured_outputs_give_their_constraint(keys, kind, text, field):
+    spec = chat(**keys).grammar()
+    assert (spec.kind, spec.source, spec.field) == (kind, text, field)
+
+
+def test_structured_outputs_refuses_what_it_cannot_do_and_one_constraint_only():
+    with pytest.raises(InvalidParameter) as refused:
+        chat(structured_outputs={"structural_tag": {"x": 1}}).grammar()
+    assert refused.value.field == "structured_outputs.structural_tag"
+    with pytest.raises(InvalidParameter) as refused:
+        chat(grammar='root ::= "a"', structured_outputs={"regex": "a"}).grammar()
+    assert refused.value.field == "structured_outputs.regex"
+    assert chat(structured_outputs={"json_object": False, "regex": None}).grammar() is None
+
+
+def test_no_template_variable_can_take_a_name_the_renderer_takes(tokenizer):
+    taken = set(inspect.signature(tokenizer.hf.apply_chat_template).parameters)
+    assert taken <= TEMPLATE_ARGUMENTS
+    for name in taken:
+        with pytest.raises(InvalidParameter, match="chat_template_kwargs"):
+            chat(chat_template_kwargs={name: 1}).template_variables()
+
+
+def test_template_variables_reach_the_model_s_template(tokenizer):
+    request = chat(chat_template_kwargs={"enable_thinking": False}, reasoning_effort="low")
+    assert request.template_variables() == {"enable_thinking": False, "reasoning_effort": "low"}
+    with pytest.raises(InvalidParameter, match="chat_template_kwargs"):
+        chat(chat_template_kwargs={"messages": []}).template_variables()
+    reading = copy.copy(tokenizer)
+    reading.hf = copy.deepcopy(tokenizer.hf)
+    reading.hf.chat_template = (
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+        "[{{ reasoning_effort | default('medium') }}]"
+    )
+    messages = [{"role": "user", "content": "Hi"}]
+    assert reading.apply_chat_template(messages) == "Hi[medium]"
+    assert reading.apply_chat_template(messages, variables=request.template_variables()) == "Hi<think></think>[low]"
