@@ -31,7 +31,7 @@ from fiberserve.server.tool_call_scanner import JsonStrings, PartialCall
 START, END = "<tool_call>", "</tool_call>"
 
 
-def _call(written: object) -> PartialCall | None:
+def call_of(written: object) -> PartialCall | None:
     """``{"name": str, "arguments": object}`` as a call, else None."""
     if not isinstance(written, dict) or not isinstance(written.get("name"), str):
         return None
@@ -53,7 +53,7 @@ def parse_calls(body: str) -> list[PartialCall] | None:
         written = json.loads(body)
     except json.JSONDecodeError:
         return None
-    calls = [_call(w) for w in (written if isinstance(written, list) and written else [written])]
+    calls = [call_of(w) for w in (written if isinstance(written, list) and written else [written])]
     parsed = [call for call in calls if call is not None]
     return parsed if len(parsed) == len(calls) else None
 

@@ -331,6 +331,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     choice = body.tool_choice
     named = choice.function.name if tool_mode == "named" and isinstance(choice, NamedToolChoice) else None
-    tools = ToolCallRenderer(tool_mode, named) if tool_mode else None
+    tools = ToolCallRenderer(tool_mode, named, state.config.tool_call_parser) if tool_mode else None
     render = _ChatCompletions(params.logprobs, tools, _think_markers(state, body, tool_mode, params.grammar))
     return await _serve(request, state, [prompt], params, _CHAT_NAMES, body.stream, include_usage, render)

@@ -15,7 +15,8 @@ machinery (engine/grammar.py) constrains the output to the call's JSON, so the c
 In both modes a call's ``arguments`` is the parameters' JSON text as generated, with ``json.dumps``'s spacing
 (``JsonSpacing``), streamed or not.
 - ``"auto"`` (the default with tools): the model chooses between text and calls, in its own format, which
-  ``--tool-call-parser`` names (``hermes``: ``hermes_tools.py``).  Without one it is refused with a 400, as vLLM
+  ``--tool-call-parser`` names (``hermes``: ``hermes_tools.py``; ``llama3_json``, ``mistral``, ``pythonic``:
+  ``trailing_tools.py``).  Without one it is refused with a 400, as vLLM
   refuses it without ``--enable-auto-tool-choice --tool-call-parser``.
 """
 
@@ -31,6 +32,7 @@ from fiberserve.engine.grammar import GrammarSpec
 from fiberserve.engine.sampling_params import InvalidParameter
 from fiberserve.server.hermes_tools import HermesStream, split_calls
 from fiberserve.server.tool_call_scanner import CallScanner, JsonSpacing, PartialCall
+from fiberserve.server.trailing_tools import FORMATS, TrailingCallStream, split_trailing_calls
 
 #: What a function without ``parameters`` takes: nothing (OpenAI's "empty parameter list").
 NO_PARAMETERS = {"type": "object", "properties": {}}
@@ -73,14 +75,14 @@ def tool_mode(tools: list[ToolSpec] | None, choice: ToolChoice | None, parser: s
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise InvalidParameter("tools", "function names must be unique")
-    if (choice is None or choice == "auto") and parser == "hermes":
+    if (choice is None or choice == "auto") and parser != "none":
         return "auto"
     if choice is None or choice == "auto":
         raise InvalidParameter(
             "tool_choice",
-            "'auto' (the default when tools are given) needs the server started with --tool-call-parser (hermes: "
-            "<tool_call> JSON blocks, as Qwen2.5 and Hermes models write them); use 'required', a named function, "
-            "or 'none'",
+            "'auto' (the default when tools are given) needs the server started with --tool-call-parser (the "
+            "model family's call format: hermes, llama3_json, mistral or pythonic); use 'required', a named "
+            "function, or 'none'",
         )
     if choice == "none":
         return None
@@ -148,17 +150,19 @@ def required_calls(text: str) -> list[PartialCall] | None:
 class ToolCallRenderer:
     """Turns one choice's output into its message, or its streamed text into deltas, for a tool mode."""
 
-    def __init__(self, mode: str, name: str | None) -> None:
+    def __init__(self, mode: str, name: str | None, parser: str = "hermes") -> None:
+        """``parser``: the ``--tool-call-parser`` that reads an ``auto`` mode's calls."""
         self.mode, self.name = mode, name
+        self.trailing = FORMATS.get(parser)  # the parser's format, where it is not hermes
         self.spacings: dict[int, JsonSpacing] = {}  # per streamed choice (named mode)
         self.scanners: dict[int, CallScanner] = {}  # per streamed choice (required mode)
         self.sent: dict[int, list[int]] = {}  # per streamed choice: how much of each call's arguments went out
-        self.hermes: dict[int, HermesStream] = {}  # per streamed choice (auto mode)
+        self.auto_streams: dict[int, HermesStream | TrailingCallStream] = {}  # per streamed choice (auto mode)
 
     def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
         """The answer's message and finish reason for an output ``text``."""
         if self.mode == "auto":
-            split = split_calls(text)
+            split = split_calls(text) if self.trailing is None else split_trailing_calls(self.trailing, text)
             if split is None:
                 return {"role": "assistant", "content": text}, finish
             content, calls = split
@@ -203,13 +207,15 @@ class ToolCallRenderer:
         return delta, _called(finish) if required_calls(scanner.text) is not None else finish
 
     def _auto_delta(self, index: int, text: str, finish: str | None, first: bool) -> tuple[dict, str | None] | None:
-        stream = self.hermes.setdefault(index, HermesStream())
+        stream = self.auto_streams.setdefault(
+            index, HermesStream() if self.trailing is None else TrailingCallStream(self.trailing)
+        )
         before = stream.calls_made
         content, calls = stream.feed(text)
         if finish is not None:
             rest, more = stream.finish()
             content, calls = content + rest, calls + more
-            del self.hermes[index]
+            del self.auto_streams[index]
         delta: dict = {"role": "assistant", "content": content} if first else {"content": content} if content else {}
         if calls:
             delta["tool_calls"] = [tool_call(before + i, c.name, c.arguments) for i, c in enumerate(calls)]

@@ -662,6 +662,35 @@ def test_peer_keys_not_honoured_are_refused_by_name_and_grammar_is_gbnf(server):
     server.assert_idle()
 
 
+def test_other_families_tool_call_parsers_read_their_format_end_to_end(start_server, model_path):
+    """Under --tool-call-parser pythonic a regex makes SmolLM2 write a Python list of calls: answered as calls,
+    streamed too; the other families' formats are tested without a server (tests/unit/test_trailing_tools.py)."""
+    import openai
+
+    proc = start_server("--tool-call-parser", "pythonic", "--quantization", "none").wait_ready()
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused")
+        ask = {
+            "model": client.models.list().data[0].id,
+            "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "temperature": 0,
+            "max_tokens": 40,
+            "tools": [WEATHER, CLOCK],
+            "extra_body": {"guided_regex": r'\[get_weather\(city="[A-Z][a-z]{1,15}"\)\]'},
+        }
+        answer = client.chat.completions.create(**ask).choices[0]
+        assert answer.finish_reason == "tool_calls" and answer.message.content is None
+        [call] = answer.message.tool_calls
+        assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+        chunks = list(client.chat.completions.create(stream=True, **ask))
+        entries = [e for ch in chunks for e in ch.choices[0].delta.tool_calls or []]
+        assert [(e.function.name, e.function.arguments) for e in entries] == [("get_weather", call.function.arguments)]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        proc.assert_idle()
+    finally:
+        assert proc.stop() == 0
+
+
 def test_tokenize_and_detokenize_agree_with_what_generation_uses(server, tokenizer):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     with server.client() as c:

@@ -227,7 +227,7 @@ def _auto_stream(text: str, cuts: list[int], finish: str = "stop") -> list[tuple
     made = [
         render.delta(3, piece, finish if i == len(pieces) - 1 else None, first=i == 0) for i, piece in enumerate(pieces)
     ]
-    assert not render.hermes  # nothing kept once the choice ends
+    assert not render.auto_streams  # nothing kept once the choice ends
     return [m for m in made if m is not None]
 
 
@@ -279,5 +279,7 @@ def test_the_tool_call_parser_setting_is_checked():
     from fiberserve.config import ServerConfig
 
     assert ServerConfig(tool_call_parser="hermes").tool_call_parser == "hermes"
-    with pytest.raises(ValueError, match="tool_call_parser must be one of none, hermes, not 'xml'"):
+    with pytest.raises(
+        ValueError, match="tool_call_parser must be one of none, hermes, llama3_json, mistral, pythonic, not 'xml'"
+    ):
         ServerConfig(tool_call_parser="xml")
