@@ -45,6 +45,9 @@ class EngineConfig:
         help="where the default model and converted tokenizers are cached ($FIBERSERVE_CACHE)",
         factory=lambda: str(default_cache_dir()),
     )
+    chat_template: str | None = setting(
+        None, "a Jinja chat template, as a file or the template itself, that renders chats instead of the model's own"
+    )
     device: str = setting("cpu", "cpu, cuda or cuda:N")
     dtype: str = setting(
         "auto",

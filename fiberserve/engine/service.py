@@ -46,7 +46,7 @@ from fiberserve.model.block_formats import NATIVE_BITS
 from fiberserve.model.config import ModelConfig
 from fiberserve.model.llama import LlamaModel
 from fiberserve.model.loader import Checkpoint, load_checkpoint
-from fiberserve.model.tokenizer import Tokenizer, load_tokenizer, tokenizer_cache
+from fiberserve.model.tokenizer import Tokenizer, load_tokenizer, read_chat_template, tokenizer_cache
 from fiberserve.runtime import FiberPool, InvocationTimeout, Isolation, Program
 from fiberserve.runtime.allocator import keep_freed_buffers, return_freed_buffers, trim_freed_memory
 from fiberserve.runtime.cpu_share import ThreadTeams
@@ -311,6 +311,7 @@ class LlmService:
     def load(cls, config: EngineConfig) -> LlmService:
         """Load weights and tokenizer (seconds for the default model); fetch the default if needed."""
         path = config.model or str(default_model_path(config.cache_dir, progress=config.progress))
+        template = None if config.chat_template is None else read_chat_template(config.chat_template)
         return_freed_buffers()  # the load's temporaries leave nothing resident; serving keeps its buffers
         with _one_intra_op_thread(), ThreadPoolExecutor(1, thread_name_prefix="fiberserve-tokenizer") as side:
             checkpoint = load_checkpoint(path)  # first: a bad --model fails at once,
@@ -320,6 +321,8 @@ class LlmService:
             text = side.submit(_load_text_side, path, config.cache_dir, checkpoint.config)
             model = LlamaModel(checkpoint, dtype, config.device, quantization, progress=config.progress)
             tokenizer, grammars = text.result()
+            if template is not None:
+                tokenizer.use_chat_template(template)
             service = cls(config, model, tokenizer, path, grammars)
         trim_freed_memory()
         keep_freed_buffers()

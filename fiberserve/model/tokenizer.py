@@ -57,14 +57,26 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         variables: dict[str, Any] | None = None,
+        continue_final: bool = False,
     ) -> str:
         """The prompt text for ``messages`` (and ``tools``, where the template shows them to the model), rendered
-        by the model's own template with ``variables`` (``enable_thinking``, ...) defined for it."""
+        by the model's own template with ``variables`` (``enable_thinking``, ...) defined for it; ``continue_final``:
+        the last message (an assistant's) left open for the answer to continue."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use /v1/completions or /generate")
         return self.hf.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **(variables or {})
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final,
+            **(variables or {}),
         )
+
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with ``template`` (Jinja, as ``--chat-template`` gives it) instead of the model's own."""
+        self.hf.chat_template = template
+        self.has_chat_template = True
 
     def encode_chat(
         self,
@@ -72,15 +84,35 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         variables: dict[str, Any] | None = None,
+        continue_final: bool = False,
     ) -> list[int]:
         # The rendered template carries its own special tokens: add none twice.
-        text = self.apply_chat_template(messages, add_generation_prompt, tools, variables)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, variables, continue_final)
         return self.encode(text, add_special_tokens=False)
 
     def detokenizer(
         self, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True
     ) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids or [], skip_special_tokens)
+
+
+def read_chat_template(given: str) -> str:
+    """``--chat-template``'s value: a Jinja file's text, or the template itself where it is one (as vLLM reads
+    it); ValueError naming the flag for anything else, or a template that does not compile."""
+    import jinja2
+
+    path = Path(given)
+    if path.is_file():
+        template = path.read_text()
+    elif "{{" in given or "{%" in given:
+        template = given
+    else:
+        raise ValueError(f"--chat-template: {given!r} is neither a file nor a Jinja template")
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template: line {exc.lineno}: {exc.message}") from None
+    return template
 
 
 class IncrementalDetokenizer:

@@ -323,11 +323,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         tool_mode = body.tool_mode(state.config.tool_call_parser)
         params = body.params()
         variables = body.template_variables()
+        generation_prompt = body.generation_prompt()
     except InvalidParameter as exc:
         raise from_engine(exc, _CHAT_NAMES) from None
     if tool_mode == "auto" and body.skip_special_tokens is None:  # a model's call tags may be special tokens
         params = dataclasses.replace(params, skip_special_tokens=False)
-    prompt = state.encode_chat(body.messages, tools=template_tools(body.tools), variables=variables)
+    tools_shown = template_tools(body.tools)
+    prompt = state.encode_chat(body.messages, generation_prompt, tools_shown, variables, body.continue_final_message)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     choice = body.tool_choice
     named = choice.function.name if tool_mode == "named" and isinstance(choice, NamedToolChoice) else None

@@ -41,9 +41,7 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "return_tokens_as_token_ids": (False,),
     "chat_template": (),  # the server's --chat-template is the one template
     "documents": (),
-    "continue_final_message": (False,),
     "echo": (False,),  # of the chat API (the completions API serves it)
-    "add_generation_prompt": (True,),  # of the chat API (/tokenize serves it)
     # OpenAI's options for other models
     "audio": (),
     "modalities": (["text"],),

@@ -330,6 +330,20 @@ class ChatCompletionRequest(OpenAICommon):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     separate_reasoning: StrictBool = True  # SGLang's: False leaves the thinking in the content
+    #: vLLM's: the answer continues the final (assistant's) message instead of starting a new one.
+    continue_final_message: StrictBool = False
+    add_generation_prompt: StrictBool | None = None
+
+    def generation_prompt(self) -> bool:
+        """Whether the template ends with the assistant's turn opened: not where the final message continues
+        (which must be an assistant's, and cannot have a generation prompt too)."""
+        if not self.continue_final_message:
+            return self.add_generation_prompt is not False
+        if self.add_generation_prompt:
+            raise InvalidParameter("continue_final_message", "cannot be set with add_generation_prompt")
+        if self.messages[-1].role != "assistant":
+            raise InvalidParameter("continue_final_message", "needs the final message to be an assistant's")
+        return False
 
     def template_variables(self) -> dict[str, Any]:
         """What the chat template reads beyond the messages and tools."""

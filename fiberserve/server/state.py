@@ -70,12 +70,14 @@ class ServerState:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         variables: dict[str, Any] | None = None,
+        continue_final: bool = False,
     ) -> list[int]:
-        """The prompt of a chat, rendered by the model's template (with ``variables`` defined for it); 400 naming
-        ``messages`` if it cannot be."""
+        """The prompt of a chat, rendered by the model's template (with ``variables`` defined for it; the last
+        message left open with ``continue_final``); 400 naming ``messages`` if it cannot be."""
         try:
             tokenizer = self.ready_service().tokenizer
-            return tokenizer.encode_chat(chat_messages(messages), add_generation_prompt, tools, variables)
+            rendered = chat_messages(messages)
+            return tokenizer.encode_chat(rendered, add_generation_prompt, tools, variables, continue_final)
         except InvalidParameter as exc:  # a content part that is not text
             raise ApiError(400, str(exc), exc.field) from None
         except (ValueError, jinja2.TemplateError) as exc:  # no chat template, or it refused the messages

@@ -94,6 +94,28 @@ def test_a_model_that_fails_to_load_is_reported_by_a_server_asked_to_stay_up(tmp
         assert proc.stop() == 0
 
 
+def test_a_chat_template_given_renders_the_chats_and_a_bad_one_stops_the_start(tmp_path, start_server, model_path):
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
+    proc = start_server("--chat-template", str(template), "--quantization", "none").wait_ready()
+    try:
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        with proc.client() as c:
+            tokens = c.post("/tokenize", json={"messages": messages}).json()["tokens"]
+            text = c.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+            assert text == "system: Be brief.\nuser: Hi\nassistant:"
+            answer = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4}).json()
+            assert answer["usage"]["prompt_tokens"] == len(tokens)
+    finally:
+        assert proc.stop() == 0
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }")
+    proc = start_server("--chat-template", str(broken))
+    assert proc.proc.wait(timeout=120) == 1
+    assert "--chat-template: line 1" in proc.log_path.read_text()
+    proc.stop()
+
+
 def test_config_file_keys_are_the_flags_and_flags_win(tmp_path, start_server, model_path):
     config = tmp_path / "fiberserve.yaml"
     config.write_text("fibers: 3\nmax-batch-tokens: 128\nserved_model_name: from-file\n")
@@ -689,6 +711,24 @@ def test_other_families_tool_call_parsers_read_their_format_end_to_end(start_ser
         proc.assert_idle()
     finally:
         assert proc.stop() == 0
+
+
+def test_continue_final_message_continues_the_assistant_s_words(server, tokenizer):
+    """vLLM's ``continue_final_message``: the answer goes on from the final assistant message, as a completion
+    of the template rendered with that message left open; without an assistant's message last, a 400."""
+    messages = [{"role": "user", "content": "Name a primary colour."}, {"role": "assistant", "content": "One is"}]
+    opened = tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final=True)
+    assert opened.endswith("One is")
+    with server.client() as c:
+        ask = {"messages": messages, "max_tokens": 12, "temperature": 0, "continue_final_message": True}
+        ask["add_generation_prompt"] = False
+        chat = c.post("/v1/chat/completions", json=ask).json()["choices"][0]["message"]["content"]
+        plain = c.post("/v1/completions", json={"prompt": opened, "max_tokens": 12, "temperature": 0}).json()
+        assert chat == plain["choices"][0]["text"] and chat
+        for wrong in ({**ask, "messages": messages[:1]}, {**ask, "add_generation_prompt": True}):
+            r = c.post("/v1/chat/completions", json=wrong)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    server.assert_idle()
 
 
 def test_tokenize_and_detokenize_agree_with_what_generation_uses(server, tokenizer):

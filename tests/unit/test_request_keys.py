@@ -86,3 +86,25 @@ def test_template_variables_reach_the_model_s_template(tokenizer):
     messages = [{"role": "user", "content": "Hi"}]
     assert reading.apply_chat_template(messages) == "Hi[medium]"
     assert reading.apply_chat_template(messages, variables=request.template_variables()) == "Hi<think></think>[low]"
+
+
+def test_chat_template_flag_takes_a_file_or_a_template_and_names_itself_otherwise(tmp_path):
+    from fiberserve.model.tokenizer import read_chat_template
+
+    inline = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(inline)
+    assert read_chat_template(str(tmp_path / "t.jinja")) == read_chat_template(inline) == inline
+    for bad, says in ((str(tmp_path / "missing.jinja"), "neither a file nor"), ("{{ unclosed", "line 1")):
+        with pytest.raises(ValueError, match=f"--chat-template: .*{says}"):
+            read_chat_template(bad)
+
+
+def test_a_final_message_continues_only_where_it_is_an_assistant_s_and_nothing_opens_after_it():
+    assistant = [*MESSAGES, {"role": "assistant", "content": "Yes"}]
+    assert chat(messages=assistant, continue_final_message=True).generation_prompt() is False
+    assert chat(add_generation_prompt=False).generation_prompt() is False
+    assert chat().generation_prompt() is True
+    for keys in ({"continue_final_message": True}, {"messages": assistant, "continue_final_message": True,
+                                                    "add_generation_prompt": True}):  # fmt: skip
+        with pytest.raises(InvalidParameter, match="continue_final_message"):
+            chat(**keys).generation_prompt()
