@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fiberserve.config import ServerConfig
 from fiberserve.engine import LlmService
-from fiberserve.server import native_api, openai_api, tokenize_api
+from fiberserve.server import anthropic_api, native_api, openai_api, responses_api, tokenize_api
 from fiberserve.server.errors import (
     ApiError,
     handle_api_error,
@@ -61,6 +61,8 @@ def create_app(
     app.state.fiberserve = state
     app.include_router(native_api.router)
     app.include_router(openai_api.router)
+    app.include_router(anthropic_api.router)
+    app.include_router(responses_api.router)
     app.include_router(tokenize_api.router)
     # Starlette types a handler's exception as Exception; each of these is only called with its own class.
     app.add_exception_handler(ApiError, handle_api_error)  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fiberserve.engine import InvalidParameter
 from fiberserve.engine import Request as EngineRequest
+from fiberserve.engine.sampling_params import SamplingParams
 from fiberserve.engine.sequence import FinishReason, TokenLogprob
 from fiberserve.engine.service import CompletionOutput, RequestOutput
 from fiberserve.server.errors import ApiError, failure_body, from_engine
@@ -314,11 +315,9 @@ def _think_markers(
     return dataclasses.replace(markers, begins_inside=False) if grammar is not None else markers
 
 
-@router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    state = _state(request)
-    state.ready_service()
-    state.check_model(body.model)
+def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams, _ChatCompletions]:
+    """A chat request's prompt, its sampling parameters and the renderer of its answers (the Anthropic API's
+    route answers through the same); ApiError 400 for what is refused."""
     try:
         tool_mode = body.tool_mode(state.config.tool_call_parser)
         params = body.params()
@@ -330,9 +329,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         params = dataclasses.replace(params, skip_special_tokens=False)
     tools_shown = template_tools(body.tools)
     prompt = state.encode_chat(body.messages, generation_prompt, tools_shown, variables, body.continue_final_message)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
     choice = body.tool_choice
     named = choice.function.name if tool_mode == "named" and isinstance(choice, NamedToolChoice) else None
     tools = ToolCallRenderer(tool_mode, named, state.config.tool_call_parser) if tool_mode else None
-    render = _ChatCompletions(params.logprobs, tools, _think_markers(state, body, tool_mode, params.grammar))
+    return (
+        prompt,
+        params,
+        _ChatCompletions(params.logprobs, tools, _think_markers(state, body, tool_mode, params.grammar)),
+    )
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    state = _state(request)
+    state.ready_service()
+    state.check_model(body.model)
+    prompt, params, render = prepare_chat(state, body)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await _serve(request, state, [prompt], params, _CHAT_NAMES, body.stream, include_usage, render)

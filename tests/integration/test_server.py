@@ -731,6 +731,72 @@ def test_continue_final_message_continues_the_assistant_s_words(server, tokenize
     server.assert_idle()
 
 
+def test_the_anthropic_client_gets_the_chat_answer_as_messages_blocks_streamed_or_not(server):
+    """``/v1/messages`` through the ``anthropic`` package: the same greedy text as the chat API, stop reasons,
+    stop sequences, usage, thinking blocks (the reasoning parser), tool_use blocks and a tool_result turn back,
+    streamed events that add up to the message, count_tokens, and a 400 naming a block it cannot take."""
+    import anthropic
+    import openai
+
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused")
+    chat = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    model = chat.models.list().data[0].id
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    greedy = {"temperature": 0}  # the client has no sampling arguments of its own: the body carries them
+    ask = {"model": model, "max_tokens": 24, "system": "Be brief.", "messages": question, "extra_body": greedy}
+    same = [{"role": "system", "content": "Be brief."}, *question]
+    expected = chat.chat.completions.create(model=model, messages=same, max_tokens=24, temperature=0).choices[0]
+    message = client.messages.create(**ask)
+    assert message.id.startswith("msg_") and message.role == "assistant" and message.type == "message"
+    assert [b.type for b in message.content] == ["text"] and message.content[0].text == expected.message.content
+    assert message.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[expected.finish_reason]
+    count = client.messages.count_tokens(model=model, system="Be brief.", messages=question)
+    assert message.usage.input_tokens == count.input_tokens > 0 and message.usage.output_tokens > 0
+
+    with client.messages.stream(**ask) as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_message()
+    assert streamed.content[0].text == message.content[0].text and streamed.stop_reason == message.stop_reason
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
+
+    word = expected.message.content.split()[1]
+    stopped = client.messages.create(**{**ask, "stop_sequences": [word]})
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", word)
+
+    thinking = r"<think>\nThe capital is [A-Z][a-z]{2,8}\.\n</think>\n\n[A-Z][a-z]{2,8}\."
+    thinks = {**ask, "extra_body": {**greedy, "guided_regex": thinking}}
+    thought = client.messages.create(**thinks)
+    assert [b.type for b in thought.content] == ["thinking", "text"]
+    assert thought.content[0].thinking.startswith("\nThe capital is ") and thought.content[1].text.endswith(".")
+    with client.messages.stream(**thinks) as stream:
+        blocks = [b.model_dump(include={"type", "text", "thinking"}) for b in stream.get_final_message().content]
+    assert blocks == [b.model_dump(include={"type", "text", "thinking"}) for b in thought.content]
+
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tool = {"name": "get_weather", "description": "The weather in a city", "input_schema": city}
+    call_regex = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,15}"\}\}\n</tool_call>'
+    weather = {**ask, "max_tokens": 60, "tools": [tool], "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    calls = {**weather, "extra_body": {**greedy, "guided_regex": call_regex}}
+    called = client.messages.create(**calls)
+    assert called.stop_reason == "tool_use" and [b.type for b in called.content] == ["tool_use"]
+    use = called.content[0]
+    assert use.name == "get_weather" and set(use.input) == {"city"}
+    with client.messages.stream(**calls) as stream:
+        assert stream.get_final_message().content[0].input == use.input
+    answered = client.messages.create(**{**weather, "messages": [
+        *weather["messages"],
+        {"role": "assistant", "content": [use.model_dump()]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 C"}]},
+    ], "tool_choice": {"type": "none"}})  # fmt: skip
+    assert answered.content[0].type == "text" and answered.content[0].text
+
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(**{**ask, "messages": [{"role": "user", "content": [image]}]})
+    assert refused.value.body["error"]["param"] == "messages.0.content.0"
+    server.assert_idle()
+
+
 def test_tokenize_and_detokenize_agree_with_what_generation_uses(server, tokenizer):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     with server.client() as c:

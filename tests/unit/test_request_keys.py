@@ -108,3 +108,37 @@ def test_a_final_message_continues_only_where_it_is_an_assistant_s_and_nothing_o
                                                     "add_generation_prompt": True}):  # fmt: skip
         with pytest.raises(InvalidParameter, match="continue_final_message"):
             chat(**keys).generation_prompt()
+
+
+def test_an_anthropic_request_is_the_chat_request_it_means():
+    from fiberserve.server.anthropic_protocol import MessagesRequest
+
+    body = MessagesRequest.model_validate({
+        "model": "m", "max_tokens": 9, "system": [{"type": "text", "text": "Be brief."}],
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": ""},
+                                              {"type": "tool_use", "id": "t1", "name": "w", "input": {"c": "P"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "Sunny"},
+                                         {"type": "text", "text": "And tomorrow?"}]},
+        ],
+        "tools": [{"name": "w", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        "thinking": {"type": "disabled"}, "stop_sequences": ["\n\n"], "min_p": 0.1,
+    })  # fmt: skip
+    chat = body.chat_request()
+    assert [(m.role, m.content, m.tool_call_id) for m in chat.messages] == [
+        ("system", "Be brief.", None), ("user", "Weather?", None), ("assistant", None, None),
+        ("tool", "Sunny", "t1"), ("user", "And tomorrow?", None),
+    ]  # fmt: skip
+    assert chat.messages[2].tool_calls == [
+        {"id": "t1", "type": "function", "function": {"name": "w", "arguments": '{"c": "P"}'}}
+    ]
+    assert (chat.tool_choice, chat.parallel_tool_calls, chat.max_tokens, chat.stop) == ("required", False, 9, ["\n\n"])
+    assert chat.template_variables() == {"enable_thinking": False} and chat.min_p == 0.1
+    with pytest.raises(InvalidParameter, match="typical_p"):
+        MessagesRequest.model_validate({**body.model_dump(), "typical_p": 0.5}).chat_request().params()
+    with pytest.raises(InvalidParameter) as refused:
+        MessagesRequest.model_validate({**body.model_dump(), "messages": [
+            {"role": "user", "content": [{"type": "document", "source": {}}]}]}).chat_request()  # fmt: skip
+    assert refused.value.field == "messages.0.content.0"
