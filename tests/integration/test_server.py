@@ -797,6 +797,66 @@ def test_the_anthropic_client_gets_the_chat_answer_as_messages_blocks_streamed_o
     server.assert_idle()
 
 
+def test_the_openai_responses_api_answers_continues_and_streams(server):
+    """``/v1/responses`` through ``openai``'s ``responses``: the chat API's greedy text as an output message,
+    instructions, a stored response read back and continued by ``previous_response_id`` (404 for one not
+    kept), function calls and their outputs, reasoning items, and streamed events that add up to the answer."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    question = "What is the capital of France?"
+    same = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": question}]
+    expected = client.chat.completions.create(model=model, messages=same, max_tokens=24, temperature=0).choices[0]
+    ask = {"model": model, "instructions": "Be brief.", "max_output_tokens": 24, "temperature": 0}
+    first = client.responses.create(input=question, **ask)
+    assert first.id.startswith("resp_") and first.output_text == expected.message.content
+    assert first.status == ("completed" if expected.finish_reason == "stop" else "incomplete")
+    assert [item.type for item in first.output] == ["message"] and first.usage.input_tokens > 0
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+
+    follow = "And of Italy?"
+    history = [*same, {"role": "assistant", "content": first.output_text}, {"role": "user", "content": follow}]
+    again = client.chat.completions.create(model=model, messages=history, max_tokens=24, temperature=0).choices[0]
+    second = client.responses.create(input=follow, previous_response_id=first.id, **ask)
+    assert second.output_text == again.message.content and second.previous_response_id == first.id
+    items = [{"role": "user", "content": question}, {"role": "assistant", "content": first.output_text},
+             {"role": "user", "content": [{"type": "input_text", "text": follow}]}]  # fmt: skip
+    assert client.responses.create(input=items, **ask).output_text == second.output_text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(input=follow, previous_response_id="resp_gone", **ask)
+
+    events = list(client.responses.create(input=question, stream=True, **ask))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == first.output_text
+    assert events[-1].response.output_text == first.output_text
+    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": city}
+    call_regex = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,15}"\}\}\n</tool_call>'
+    weather = {**ask, "max_output_tokens": 60, "tools": [tool], "extra_body": {"guided_regex": call_regex}}
+    called = client.responses.create(input="Weather in Paris?", **weather)
+    [call] = called.output
+    assert call.type == "function_call" and call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"}
+    streamed = list(client.responses.create(input="Weather in Paris?", stream=True, **weather))
+    assert [i.type for i in streamed[-1].response.output] == ["function_call"]
+    assert streamed[-1].response.output[0].arguments == call.arguments
+    answer = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}
+    told = client.responses.create(input=[answer], previous_response_id=called.id, tool_choice="none",
+                                   **{**ask, "tools": [tool]})  # fmt: skip
+    assert told.output[0].type == "message" and told.output_text
+
+    thinking = r"<think>\nThe capital is [A-Z][a-z]{2,8}\.\n</think>\n\n[A-Z][a-z]{2,8}\."
+    thought = client.responses.create(input=question, **ask, extra_body={"guided_regex": thinking})
+    assert [i.type for i in thought.output] == ["reasoning", "message"]
+    assert thought.output[0].content[0].text.startswith("\nThe capital is ")
+    r = httpx.post(server.url + "/v1/responses", json={"input": [{"type": "web_search_call"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.0.type"
+    server.assert_idle()
+
+
 def test_tokenize_and_detokenize_agree_with_what_generation_uses(server, tokenizer):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     with server.client() as c:

@@ -142,3 +142,39 @@ def test_an_anthropic_request_is_the_chat_request_it_means():
         MessagesRequest.model_validate({**body.model_dump(), "messages": [
             {"role": "user", "content": [{"type": "document", "source": {}}]}]}).chat_request()  # fmt: skip
     assert refused.value.field == "messages.0.content.0"
+
+
+def test_a_responses_request_is_the_chat_request_it_means_and_the_store_keeps_the_newest():
+    from fiberserve.server.protocol import ChatMessage
+    from fiberserve.server.responses_protocol import ResponsesRequest
+    from fiberserve.server.responses_store import ResponseStore, StoredResponse
+
+    body = ResponsesRequest.model_validate({
+        "instructions": "Be brief.", "max_output_tokens": 7, "reasoning": {"effort": "low"},
+        "input": [
+            {"role": "user", "content": "Weather?"},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+            {"type": "function_call", "call_id": "c1", "name": "w", "arguments": '{"c": "P"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "Sunny"},
+        ],
+        "tools": [{"type": "function", "name": "w", "parameters": {"type": "object"}}],
+        "tool_choice": {"type": "function", "name": "w"},
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+    })  # fmt: skip
+    chat = body.chat_request([])
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("system", "Be brief."), ("user", "Weather?"), ("assistant", "Checking."), ("tool", "Sunny"),
+    ]  # fmt: skip
+    assert chat.messages[2].tool_calls[0]["function"] == {"name": "w", "arguments": '{"c": "P"}'}
+    assert chat.max_tokens == 7 and chat.template_variables() == {"reasoning_effort": "low"}
+    assert chat.tool_choice.function.name == "w" and chat.response_format["json_schema"]["schema"] == {"type": "object"}
+    for refused, field in (({"background": True}, "background"), ({"include": ["x"]}, "include"),
+                           ({"tools": [{"type": "web_search"}]}, "tools.0.type")):  # fmt: skip
+        with pytest.raises(InvalidParameter) as error:
+            ResponsesRequest.model_validate({"input": "Hi", **refused}).chat_request([])
+        assert error.value.field == field
+    store = ResponseStore(kept=2)
+    for i in range(3):
+        store.put(f"resp_{i}", StoredResponse({"id": f"resp_{i}"}, [ChatMessage(role="user", content=str(i))]))
+    assert store.get("resp_0") is None and store.get("resp_2").body == {"id": "resp_2"} and len(store) == 2
