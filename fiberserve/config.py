@@ -136,6 +136,7 @@ class ServerConfig:
     open_paths: tuple[str, ...] = setting(("/health", "/metrics"), "paths that need no API key")
     max_body_bytes: int = setting(1 << 20, "largest request body accepted")
     cors_origins: tuple[str, ...] = setting((), "origins allowed by CORS (off when empty)")
+    webui: bool = setting(True, "serve the built-in chat page at / (its requests carry the --api-key its user types)")
     tool_call_parser: str = setting(
         "none",
         "how tool_choice 'auto' reads the model's calls: hermes (<tool_call> JSON blocks: Qwen2.5, Qwen3, Hermes), "

@@ -15,6 +15,11 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q --no-deps "xgrammar>=0.1.21" "apache-tvm-ffi>=0.1.11"
 # The SGLang frontend, installed lightly: its own dependencies are the server's, not the client's.
 .venv/bin/python -m pip install -q --no-deps "sglang==0.5.10"
+# Debian's chromium for the chat page's test in a real browser (Playwright drives it and downloads no browser).
+if ! command -v chromium >/dev/null; then
+    as_root=$([ "$(id -u)" -eq 0 ] || echo sudo)
+    $as_root apt-get update -q && DEBIAN_FRONTEND=noninteractive $as_root apt-get install -y -q chromium
+fi
 .venv/bin/ruff check fiberserve tests setup.py
 .venv/bin/ruff format --check fiberserve tests setup.py
 .venv/bin/mypy

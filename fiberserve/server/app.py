@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,11 +28,14 @@ from fiberserve.server.errors import (
     handle_validation_error,
 )
 from fiberserve.server.metrics import Metrics
-from fiberserve.server.middleware import GuardMiddleware
+from fiberserve.server.middleware import WEBUI_PATH, GuardMiddleware
 from fiberserve.server.state import ServerState
 from fiberserve.startup import configure_logging, load_in_background
 
 log = logging.getLogger("fiberserve.server")
+
+#: The built-in chat page: one file, no build step, nothing fetched from elsewhere.
+WEBUI_PAGE = Path(__file__).parent / "webui" / "index.html"
 
 
 def create_app(
@@ -69,6 +73,12 @@ def create_app(
     app.add_exception_handler(RequestValidationError, handle_validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, handle_unexpected)
     app.add_exception_handler(StarletteHTTPException, handle_http_error)
+
+    if config.webui:
+
+        @app.get(WEBUI_PATH, include_in_schema=False)
+        async def chat_page() -> Response:
+            return Response(WEBUI_PAGE.read_bytes(), media_type="text/html; charset=utf-8")
 
     @app.get("/metrics")
     async def serve_metrics(request: Request) -> Response:

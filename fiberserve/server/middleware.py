@@ -33,6 +33,10 @@ class _BodyTooLarge(Exception):
     pass
 
 
+#: Where the built-in chat page is served (``--webui``).
+WEBUI_PATH = "/"
+
+
 class GuardMiddleware:
     """Refuses unauthorized requests (401) and oversized bodies (413) before any endpoint runs.
 
@@ -45,6 +49,8 @@ class GuardMiddleware:
         self.state = state
         key = state.config.api_key
         self.expected = f"Bearer {key}".encode() if key else None
+        # The chat page holds no data: it is served to anyone, and its requests carry the key the user types.
+        self.open_paths = {*state.config.open_paths, *((WEBUI_PATH,) if state.config.webui else ())}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -62,7 +68,7 @@ class GuardMiddleware:
             if message["type"] == "http.response.body" and not message.get("more_body"):
                 self._log(scope, path, outcome["status"], started)
 
-        if self.expected and path not in self.state.config.open_paths:
+        if self.expected and path not in self.open_paths:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 return await _send_json(

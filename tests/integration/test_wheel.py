@@ -53,9 +53,11 @@ def test_a_wheel_installed_elsewhere_serves_where_there_is_no_compiler(tmp_path,
                 "/v1/completions",
                 json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
             )
+            page = client.get("/")  # the chat page is in the wheel
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         assert choice["text"].startswith(" Paris") and choice["finish_reason"] == "length"
+        assert page.status_code == 200 and "<title>fiberserve</title>" in page.text
     finally:
         assert server.stop() == 0
     log = server.log_path.read_text()
