@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fiberserve.engine import InvalidParameter
 from fiberserve.engine import Request as EngineRequest
+from fiberserve.engine.grammar import GrammarSpec
 from fiberserve.engine.sampling_params import SamplingParams
 from fiberserve.engine.sequence import FinishReason, TokenLogprob
 from fiberserve.engine.service import CompletionOutput, RequestOutput
@@ -303,7 +304,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
 
 def _think_markers(
-    state: ServerState, body: ChatCompletionRequest, tool_mode: str | None, grammar
+    state: ServerState, body: ChatCompletionRequest, tool_mode: str | None, grammar: GrammarSpec | None
 ) -> ThinkMarkers | None:
     """How the answers' thinking is marked, where it is split from them: under ``--reasoning-parser``, unless
     the client turned it off (SGLang's ``separate_reasoning``) or the answers are tool calls by grammar.  A
