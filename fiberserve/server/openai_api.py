@@ -320,7 +320,7 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[list[
     """A chat request's prompt, its sampling parameters and the renderer of its answers (the Anthropic API's
     route answers through the same); ApiError 400 for what is refused."""
     try:
-        tool_mode = body.tool_mode(state.config.tool_call_parser)
+        tool_mode = body.tool_mode(state.tool_call_parser)
         params = body.params()
         variables = body.template_variables()
         generation_prompt = body.generation_prompt()
@@ -332,7 +332,7 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[list[
     prompt = state.encode_chat(body.messages, generation_prompt, tools_shown, variables, body.continue_final_message)
     choice = body.tool_choice
     named = choice.function.name if tool_mode == "named" and isinstance(choice, NamedToolChoice) else None
-    tools = ToolCallRenderer(tool_mode, named, state.config.tool_call_parser) if tool_mode else None
+    tools = ToolCallRenderer(tool_mode, named, state.tool_call_parser) if tool_mode else None
     return (
         prompt,
         params,

@@ -17,6 +17,7 @@ from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent
 from fiberserve.server.errors import ApiError, failure, from_engine
 from fiberserve.server.metrics import Metrics
 from fiberserve.server.protocol import ChatMessage, chat_messages
+from fiberserve.server.trailing_tools import parser_for_template
 
 T = TypeVar("T")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:@/-]")
@@ -45,6 +46,14 @@ class ServerState:
         if self.config.served_model_name:
             return self.config.served_model_name
         return self.service.model_name if self.service else "loading"
+
+    @property
+    def tool_call_parser(self) -> str:
+        """``--tool-call-parser``, or under ``auto`` the one the model's chat template asks for."""
+        parser = self.config.tool_call_parser
+        if parser != "auto":
+            return parser
+        return parser_for_template(getattr(self.ready_service().tokenizer.hf, "chat_template", None))
 
     def ready_service(self) -> LlmService:
         if self.service is None:

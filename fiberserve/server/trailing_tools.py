@@ -100,6 +100,16 @@ FORMATS = {
 }
 
 
+#: What in a chat template shows each family's call format, for ``--tool-call-parser auto``: the first found
+#: names the parser.
+TEMPLATE_SIGNS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"))
+
+
+def parser_for_template(template: str | None) -> str:
+    """The tool-call parser a chat template's own call format asks for; ``none`` where it shows none."""
+    return next((parser for sign, parser in TEMPLATE_SIGNS if template and sign in template), "none")
+
+
 class TrailingCallStream:
     """One streamed choice's output, fed in any pieces: :meth:`feed` returns the content to send now;
     :meth:`finish` the content left and the calls, once the output ends."""

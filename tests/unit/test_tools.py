@@ -279,7 +279,6 @@ def test_the_tool_call_parser_setting_is_checked():
     from fiberserve.config import ServerConfig
 
     assert ServerConfig(tool_call_parser="hermes").tool_call_parser == "hermes"
-    with pytest.raises(
-        ValueError, match="tool_call_parser must be one of none, hermes, llama3_json, mistral, pythonic, not 'xml'"
-    ):
+    named = "none, auto, hermes, llama3_json, mistral, pythonic"
+    with pytest.raises(ValueError, match=f"tool_call_parser must be one of {named}, not 'xml'"):
         ServerConfig(tool_call_parser="xml")

@@ -69,3 +69,19 @@ def test_streamed_in_any_pieces_the_answer_is_the_same(parser, text, content, ca
     ]
     assert (streamed, entries, made[-1][1]) == (content or "", calls, "tool_calls" if calls else "stop")
     assert not render.auto_streams
+
+
+@pytest.mark.parametrize(
+    ("template", "parser"),
+    [
+        ('{{- "<tool_call>\\n{\\"name\\": <function-name>}\\n</tool_call>" }}', "hermes"),
+        ("{%- if message.tool_calls %}{{- '[TOOL_CALLS][' }}{%- endif %}", "mistral"),
+        ('{%- if builtin_tools is defined %}{{- "<|python_tag|>" }}{%- endif %}', "llama3_json"),
+        ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% endfor %}", "none"),
+        (None, "none"),
+    ],
+)  # fmt: skip
+def test_auto_names_the_parser_of_the_call_format_the_template_writes(template, parser):
+    from fiberserve.server.trailing_tools import parser_for_template
+
+    assert parser_for_template(template) == parser
