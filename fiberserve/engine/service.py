@@ -365,8 +365,8 @@ class LlmService:
             self._board_flights()
 
     def _arm_idle_trim(self) -> None:
-        """As a flight ends: return the heaps' freed memory to the system ``IDLE_TRIM_S`` from now if the engine is
-        idle then (an earlier flight's timer is dropped); on the loop, so that no flight boards while it runs."""
+        """As the engine goes idle: return the heaps' freed memory to the system ``IDLE_TRIM_S`` from now if it is
+        idle still (an earlier timer is dropped); on the loop, so that no flight boards while it runs."""
         loop = asyncio.get_running_loop()
         if self._trim_timer is not None:
             self._trim_timer.cancel()
@@ -434,7 +434,8 @@ class LlmService:
                     self.scheduler.release_events()
         finally:
             self._flights.discard(asyncio.current_task())
-            self._arm_idle_trim()
+            if self.is_idle():
+                self._arm_idle_trim()
             self._wake.set()
             if self.config.check_integrity and self.is_idle() and self.broken is None:
                 try:

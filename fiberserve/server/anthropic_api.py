@@ -14,19 +14,15 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
-from fiberserve.engine import InvalidParameter
 from fiberserve.engine import Request as EngineRequest
 from fiberserve.engine.sequence import FinishReason
 from fiberserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
-from fiberserve.server.errors import ApiError, failure_body, from_engine
+from fiberserve.server.errors import failure_body, translated
 from fiberserve.server.openai_api import prepare_chat
-from fiberserve.server.protocol import ChatCompletionRequest
 from fiberserve.server.state import ServerState
 from fiberserve.server.tools import template_tools
 
@@ -39,18 +35,6 @@ _NAMES = {"max_new_tokens": "max_tokens", "prompt": "messages", "stop": "stop_se
 
 def _state(request: Request) -> ServerState:
     return request.app.state.fiberserve
-
-
-def _chat_request(body: CountTokensRequest, **sampling: Any) -> ChatCompletionRequest:
-    """The body as a chat request; 400 naming the field it cannot take."""
-    try:
-        return body.chat_request() if isinstance(body, MessagesRequest) else body.chat(**sampling)
-    except InvalidParameter as exc:
-        raise from_engine(exc, _NAMES) from None
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "messages"
-        raise ApiError(400, f"{field}: {first['msg']}", field) from None
 
 
 def _stop(finish: str | None, matched: str | int | None) -> tuple[str | None, str | None]:
@@ -92,7 +76,7 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     state = _state(request)
     state.ready_service()
     state.check_model(body.model)
-    prompt, params, render = prepare_chat(state, _chat_request(body))
+    prompt, params, render = prepare_chat(state, translated(body.chat_request, _NAMES, "messages"))
     message_id = f"msg_{uuid.uuid4().hex}"
     [engine_request] = state.submit(request, [prompt], params, [message_id], _NAMES)
     head = {"id": message_id, "type": "message", "role": "assistant", "model": state.model_name}
@@ -179,9 +163,6 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
     state = _state(request)
     state.ready_service()
     state.check_model(body.model)
-    chat = _chat_request(body)
-    try:
-        variables = chat.template_variables()
-    except InvalidParameter as exc:
-        raise from_engine(exc, _NAMES) from None
+    chat = translated(body.chat, _NAMES, "messages")
+    variables = translated(chat.template_variables, _NAMES, "chat_template_kwargs")
     return {"input_tokens": len(state.encode_chat(chat.messages, True, template_tools(chat.tools), variables))}

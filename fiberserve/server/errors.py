@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from fiberserve.engine import InvalidParameter, QueueFull
 from fiberserve.engine.sequence import Sequence
+
+T = TypeVar("T")
 
 
 class ApiError(Exception):
@@ -45,6 +51,19 @@ def failure(request_id: str, seq: Sequence) -> ApiError:
 
 def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(error_body(err.message, err.kind, err.param, err.status), err.status, headers=err.headers)
+
+
+def translated(build: Callable[[], T], rename: dict[str, str], whole: str) -> T:
+    """``build()``, a request translated into another's body (the Anthropic and Responses APIs' into the chat
+    API's): its refusals as a 400 naming the field (``whole`` where a validation error names none)."""
+    try:
+        return build()
+    except InvalidParameter as exc:
+        raise from_engine(exc, rename) from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or whole
+        raise ApiError(400, f"{field}: {first['msg']}", field) from None
 
 
 def from_engine(exc: Exception, rename: dict[str, str] | None = None) -> ApiError:

@@ -19,12 +19,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
-from fiberserve.engine import InvalidParameter
 from fiberserve.engine import Request as EngineRequest
 from fiberserve.engine.sequence import FinishReason
-from fiberserve.server.errors import ApiError, failure_body, from_engine
+from fiberserve.server.errors import ApiError, failure_body, translated
 from fiberserve.server.openai_api import prepare_chat
 from fiberserve.server.protocol import ChatCompletionRequest, ChatMessage
 from fiberserve.server.responses_protocol import ResponsesRequest
@@ -139,17 +137,6 @@ def _call_item(call_id: str, name: str, arguments: str, status: str, item_id: st
             "arguments": arguments, "status": status}  # fmt: skip
 
 
-def _chat_request(body: ResponsesRequest, history: list[ChatMessage]) -> ChatCompletionRequest:
-    try:
-        return body.chat_request(history)
-    except InvalidParameter as exc:
-        raise from_engine(exc, _NAMES) from None
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "input"
-        raise ApiError(400, f"{field}: {first['msg']}", field) from None
-
-
 @router.post("/responses")
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state = _state(request)
@@ -163,7 +150,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
             message = f"previous_response_id: no response {body.previous_response_id!r} is kept here"
             raise ApiError(404, message, "previous_response_id", kind="not_found")
         history = [m.model_copy() for m in kept.conversation]
-    chat = _chat_request(body, history)
+    chat = translated(lambda: body.chat_request(history), _NAMES, "input")
     prompt, params, render = prepare_chat(state, chat)
     response = _Response(body, chat, state.model_name)
     [engine_request] = state.submit(request, [prompt], params, [response.id], _NAMES)
