@@ -29,6 +29,8 @@ def setting(default: Any = MISSING, help: str = "", *, choices: tuple[str, ...] 
 TOOL_CALL_PARSERS = ("none", "auto", "hermes", "llama3_json", "mistral", "pythonic")
 #: ``reasoning_parser`` values: how a chat answer's thinking is split from it (none: it stays in the content).
 REASONING_PARSERS = ("none", "deepseek_r1", "qwen3")
+#: ``pooling`` values: how an embedding pools the prompt (``engine.sampling_params.POOLINGS``, or the file's).
+POOLING_SETTINGS = ("auto", "last", "mean")
 
 
 @dataclass
@@ -151,6 +153,12 @@ class ServerConfig:
         " as DeepSeek-R1 and Qwen3's thinking models write them), qwen3 (answers that open with <think>) or none",
         choices=REASONING_PARSERS,
     )
+    pooling: str = setting(
+        "auto",
+        "how /v1/embeddings pools the prompt's final hidden states: last (the last token's), mean (every token's) "
+        "or auto (the file's pooling_type where it names one of these, else last)",
+        choices=POOLING_SETTINGS,
+    )
     shutdown_timeout: float = setting(30.0, "seconds SIGTERM lets in-flight requests finish before aborting them")
     log_level: str = setting("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
     # Exiting is what vLLM, SGLang and llama-server do, and what process managers expect.
@@ -191,6 +199,8 @@ class ServerConfig:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             choices = ", ".join(TOOL_CALL_PARSERS)
             raise ValueError(f"tool_call_parser must be one of {choices}, not {self.tool_call_parser!r}")
+        if self.pooling not in POOLING_SETTINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_SETTINGS)}, not {self.pooling!r}")
         if self.reasoning_parser not in REASONING_PARSERS:
             choices = ", ".join(REASONING_PARSERS)
             raise ValueError(f"reasoning_parser must be one of {choices}, not {self.reasoning_parser!r}")

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+import torch
+import torch.nn.functional as F
+
 from fiberserve.config import EngineConfig
 from fiberserve.engine import LlmService, RequestOutput, SamplingParams
 from fiberserve.runtime import Worker
@@ -40,6 +43,21 @@ class LLM:
             return list(await asyncio.gather(*(self.service.wait(r) for r in requests)))
 
         return self._host.submit(run).result()
+
+    def embed(
+        self, prompts: str | list[str] | list[list[int]], pooling: str = "last", normalize: bool = True
+    ) -> list[torch.Tensor]:
+        """One embedding per prompt (text or token ids), in order: float32 [hidden] tensors, the prompt's final
+        hidden states pooled (``last`` or ``mean``), L2-normalized unless ``normalize`` is False; all batched."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
+
+        async def run() -> list[torch.Tensor]:
+            return list(await asyncio.gather(*(self.service.embed(p, pooling) for p in ids)))
+
+        vectors = self._host.submit(run).result()
+        return [F.normalize(v, dim=0) if normalize else v for v in vectors]
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
         ids = self.tokenizer.encode_chat(messages)

@@ -122,15 +122,17 @@ def _write_out(w) -> None:
     w.close()
 
 
-def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], qtype=None) -> Path:
+def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], qtype=None, dress=None) -> Path:
     """A GGUF file as llama.cpp's converter writes it; 2-D weights quantized to ``qtype`` if given (a type, or a
-    function of the tensor's GGUF name giving one)."""
+    function of the tensor's GGUF name giving one); ``dress(writer)`` adds keys and tensors of its own first."""
     from fiberserve.bench.block_quantizers import quantize_blocks
 
     H, KVH = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = _gguf_writer(path, "llama", cfg, cfg["rope_theta"], cfg["bos_token_id"], cfg["eos_token_id"])
     if cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
+    if dress is not None:
+        dress(w)
 
     def put(name: str, value: np.ndarray) -> None:
         value = np.ascontiguousarray(value, dtype=np.float32)
@@ -252,3 +254,32 @@ def write_gguf_like_llama_cpp(path: Path, hf_dir: Path) -> Path:
         w.add_tensor(gguf_name, np.ascontiguousarray(value.numpy(), dtype=np.float32))
     _write_out(w)
     return path
+
+
+#: The prompt of :func:`write_tiny_reranker`'s model, as llama.cpp's converter stores a reranker's.
+RERANK_TEMPLATE = "<|im_start|>user\nQuery: {query}\nDocument: {document}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def write_tiny_reranker(path: Path, tokenizer_file: Path) -> tuple[Path, torch.Tensor]:
+    """A tiny random Llama shaped as llama.cpp's converter writes a Qwen3-Reranker: ``tokenizer_file``'s tokenizer,
+    pooling type ``rank``, a score head ``cls.output`` of the head's rows of "yes" and "no" (in that order), and
+    :data:`RERANK_TEMPLATE`.  Returns the file and its score head [2, hidden]."""
+    import gguf
+
+    from fiberserve.bench.random_model import copy_tokenizer
+    from fiberserve.model.gguf_file import GgufFile
+
+    tokens = GgufFile(tokenizer_file).fields["tokenizer.ggml.tokens"].items()
+    cfg = {**TINY, "vocab_size": len(tokens)}
+    weights = random_weights(cfg, seed=3)
+    head = weights["lm_head.weight"][[tokens.index("yes"), tokens.index("no")]].clone()
+
+    def dress(writer) -> None:
+        for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):  # the tokenizer's own instead
+            writer.kv_data[0].pop(key)
+        copy_tokenizer(writer, tokenizer_file, cfg["vocab_size"])
+        writer.add_pooling_type(gguf.PoolingType.RANK)
+        writer.add_string("tokenizer.chat_template.rerank", RERANK_TEMPLATE)
+        writer.add_tensor("cls.output.weight", head.numpy())
+
+    return write_gguf(path, cfg, weights, dress=dress), head

@@ -95,7 +95,7 @@ def _norms(shape: Shape) -> Iterator[str]:
         yield f"blk.{i}.ffn_norm.weight"
 
 
-def _copy_tokenizer(writer, tokenizer_file: Path, vocab: int) -> None:
+def copy_tokenizer(writer, tokenizer_file: Path, vocab: int) -> None:
     """The tokenizer keys of ``tokenizer_file``, its tokens padded with reserved ones to ``vocab``."""
     import gguf
 
@@ -145,7 +145,7 @@ def write_random_model(
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(shape.vocab)
-    _copy_tokenizer(writer, tokenizer_file, shape.vocab)
+    copy_tokenizer(writer, tokenizer_file, shape.vocab)
 
     plan: list[tuple[str, tuple[int, int], str | None]] = [(n, (shape.hidden, 0), None) for n in _norms(shape)]
     plan += [(n, dims, tensor_format(n, shape.layers, file_format, shape.tied)) for n, dims in _matrices(shape)]

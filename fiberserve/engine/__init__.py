@@ -2,7 +2,7 @@
 
 from fiberserve.engine.sampling_params import InvalidParameter, SamplingParams
 from fiberserve.engine.sequence import EventsTaken
-from fiberserve.engine.service import CompletionOutput, LlmService, QueueFull, Request, RequestOutput
+from fiberserve.engine.service import CompletionOutput, LlmService, QueueFull, Request, RequestFailed, RequestOutput
 
 __all__ = [
     "CompletionOutput",
@@ -11,6 +11,7 @@ __all__ = [
     "LlmService",
     "QueueFull",
     "Request",
+    "RequestFailed",
     "RequestOutput",
     "SamplingParams",
 ]

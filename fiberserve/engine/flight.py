@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from fiberserve.engine.sequence import Sequence, TokenLogprob
 
 
@@ -101,6 +103,14 @@ class FlightItem:
             return range(0)
         return range(self.start, min(self.start + self.length, len(self.seq.prompt_ids) - 1))
 
+    @property
+    def pooled_positions(self) -> range:
+        """The positions of this chunk whose final hidden states an embedding pools (see
+        :meth:`.Sequence.pooled_positions`)."""
+        if self.token is not None:
+            return range(0)
+        return self.seq.pooled_positions(self.start, self.start + self.length)
+
 
 @dataclass(eq=False)
 class Flight:
@@ -145,9 +155,11 @@ class FlightResult:
     """One entry per item of ``items`` (the flight's items, or the items of the step it comes from): the picked
     tokens in order (none for a partial prefill chunk, one for a decode, up to ``1 + len(draft)`` for a drafted
     one; see :meth:`FlightItem.accept`), and the logprobs of the prompt tokens its chunk scored, in order from
-    the token after its first position (empty if none)."""
+    the token after its first position (empty if none); ``pooled``: per item, the final hidden states of its
+    ``pooled_positions`` (None where it pools none; empty: no item pools)."""
 
     tokens: list[list[tuple[int, TokenLogprob | None]]]
     prompt_logprobs: list[list[TokenLogprob]]
     items: list[FlightItem] = field(default_factory=list)
     seconds: float = 0.0  #: how long the step took on its worker (0: not measured)
+    pooled: list[torch.Tensor | None] = field(default_factory=list)

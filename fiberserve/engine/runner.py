@@ -45,7 +45,8 @@ class ModelRunner:
     def build_batch(self, items: list[FlightItem]) -> ForwardBatch:
         """The flight as one flat batch, built in Python lists (a few microseconds per item) and turned
         into tensors once: tensor ops per item would cost more than the step's sampling.  Its logit rows are, item
-        by item, the rows scoring prompt tokens (``scored_prompt``), then the picking rows (``sample_rows``)."""
+        by item, the rows scoring prompt tokens (``scored_prompt``), the rows an embedding pools
+        (``pooled_positions``), then the picking rows (``sample_rows``)."""
         page_size = self.page_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -64,6 +65,7 @@ class ModelRunner:
             write_slots.extend(item.pages[p // page_size] * page_size + p % page_size for p in range(item.start, end))
             spans.append(SequenceSpan(row, item.length, end, pages=item.pages))
             logit_rows.extend(row + p - item.start for p in item.scored_prompt)
+            logit_rows.extend(row + p - item.start for p in item.pooled_positions)
             row += item.length
             logit_rows.extend(range(row - item.sample_rows, row))
         return ForwardBatch(
@@ -103,26 +105,46 @@ class ModelRunner:
         sampling = [item.seq for item in items for _ in range(item.sample_rows)]
         positions = [position for item in items for position in item.sampled_positions]
         scoring = any(item.scored_prompt for item in items)
+        pooling = any(item.pooled_positions for item in items)
         scored: list[list[TokenLogprob]] = [[] for _ in items]
-        if not scoring and sampling and all(seq.params.picked_from_raw_logits for seq in sampling):  # no logits written
-            race = race_parameters(sampling, positions)
+        pooled: list[torch.Tensor | None] = []
+        if not (scoring or pooling) and sampling and all(seq.params.picked_from_raw_logits for seq in sampling):
+            race = race_parameters(sampling, positions)  # the head's kernel picks: no logits written
             tokens: list[tuple[int, TokenLogprob | None]] = [
                 (t, None) for t in self.model.pick(batch, self.cache, race)
             ]
             picked = iter(tokens)
         else:
-            logits = self.model.forward(batch, self.cache)
+            hidden = self.model.final_hidden(batch, self.cache)
+            if pooling:
+                hidden, pooled = self._take_pooled(items, hidden)
+            logits = self.model.logits_of(hidden) if scoring or sampling else hidden
             if scoring:
                 logits = self._score_prompts(items, logits, scored)
             picked = iter(sample(logits, sampling, positions) if sampling else [])
         picks = [item.accept([next(picked) for _ in range(item.sample_rows)]) for item in items]
-        return FlightResult(picks, scored, items, time.perf_counter() - started)
+        return FlightResult(picks, scored, items, time.perf_counter() - started, pooled)
 
     def _layers_start(self, before_layers: Callable[[], object] | None) -> None:
         """As the step's layers start: its inputs and K/V slots are built, no K/V is written yet."""
         if before_layers is not None:
             before_layers()
         self.faults.maybe_fail(FaultPoint.LAYERS)
+
+    @staticmethod
+    def _take_pooled(items: list[FlightItem], hidden: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Split the embeddings' rows (``pooled_positions``) off ``hidden``: the other rows, and per item its
+        pooled rows (None where it pools none)."""
+        row, kept, pooled = 0, list[int](), list[torch.Tensor | None]()
+        for item in items:
+            scoring, pooling = len(item.scored_prompt), len(item.pooled_positions)
+            kept.extend(range(row, row + scoring))
+            row += scoring
+            pooled.append(hidden[row : row + pooling].clone() if pooling else None)
+            row += pooling
+            kept.extend(range(row, row + item.sample_rows))
+            row += item.sample_rows
+        return hidden[kept], pooled
 
     @staticmethod
     def _score_prompts(items: list[FlightItem], logits: torch.Tensor, scored: list[list[TokenLogprob]]) -> torch.Tensor:

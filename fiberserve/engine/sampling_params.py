@@ -10,6 +10,9 @@ from fiberserve.engine.stop_regex import StopRegexError, compile_stop_regex
 if TYPE_CHECKING:
     from fiberserve.engine.grammar import GrammarSpec
 
+#: How an embedding pools the prompt's final hidden states (llama.cpp's ``--pooling`` names).
+POOLINGS = ("last", "mean")
+
 
 class InvalidParameter(ValueError):
     """A sampling parameter is out of range; ``field`` names it."""
@@ -58,6 +61,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     #: What the output must match (constrained decoding), or None.
     grammar: GrammarSpec | None = None
+    #: Pool the prompt's final hidden states instead of generating (an embedding): ``last`` (the last token's) or
+    #: ``mean`` (every token's mean, which computes the whole prompt: no prefix cache); None: generate.
+    pooling: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -128,6 +134,13 @@ class SamplingParams:
             checks.append(
                 ("logit_bias", all(0 <= t < vocab_size for t in self.logit_bias), f"ids must be in [0, {vocab_size})")
             )
+        if self.pooling is not None:
+            checks += [
+                ("pooling", self.pooling in POOLINGS, f"must be one of {', '.join(POOLINGS)}"),
+                ("max_new_tokens", self.max_new_tokens == 0, "must be 0 for an embedding"),
+                ("n", self.n == 1, "must be 1 for an embedding"),
+                ("prompt_logprobs", self.prompt_logprobs is None, "is not computed for an embedding"),
+            ]
         for name, ok, message in checks:
             if not ok:
                 raise InvalidParameter(name, message)

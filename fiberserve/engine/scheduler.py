@@ -110,8 +110,8 @@ class Scheduler:
         return flight
 
     def _admit(self, seq: Sequence) -> bool:
-        # A prompt being scored is computed whole: cached pages would skip the rows that score it.
-        matched = [] if seq.scores_prompt else self.pages.match_prefix(seq.tokens)
+        # A prompt being scored (or mean-pooled) is computed whole: cached pages would skip rows it needs.
+        matched = [] if seq.computes_whole_prompt else self.pages.match_prefix(seq.tokens)
         first_admission = seq.preemptions == 0
         seq.pages, seq.num_computed = matched, len(matched) * self.pages.page_size
         seq.registered_pages = len(matched)
@@ -205,8 +205,8 @@ class Scheduler:
                 self._finish_ended(seq)
             elif seq.abort_requested:
                 self.finish(seq, FinishReason.ABORT)
-            elif seq.max_tokens <= 0 and seq.num_computed == seq.num_tokens:  # a prompt scored, nothing to add
-                self.finish(seq, FinishReason.LENGTH)
+            elif seq.max_tokens <= 0 and seq.num_computed == seq.num_tokens:  # a prompt scored or pooled
+                self.finish(seq, FinishReason.LENGTH if seq.params.pooling is None else FinishReason.STOP)
         self.speculation.observe_flight(flight, flight.tokens, work_remains=bool(self.running or self.waiting))
 
     def _record(self, result: FlightResult) -> int:
@@ -215,10 +215,13 @@ class Scheduler:
         ``finishing``, and the later steps of its flight are dropped.  Returns how many tokens it kept."""
         self.speculation.observe_step(result)
         total = 0
-        for item, picks, scored in zip(result.items, result.tokens, result.prompt_logprobs, strict=True):
+        pooled = result.pooled or [None] * len(result.items)
+        for item, picks, scored, rows in zip(result.items, result.tokens, result.prompt_logprobs, pooled, strict=True):
             seq = item.seq
             if seq.finishing is not None or seq.finished:
                 continue
+            if rows is not None:
+                seq.keep_pooled(item.pooled_positions, rows)
             if (
                 scored and seq.prompt_logprobs is not None
             ):  # a recompute after preemption scores the same positions again, to the same values

@@ -9,6 +9,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from fiberserve.engine.drafting import PromptLookup
 from fiberserve.engine.grammar import GrammarState
 from fiberserve.engine.sampling_noise import sampling_key
@@ -101,6 +103,9 @@ class Sequence:
         )
         #: Whether this sequence's prompt rows compute ``prompt_logprobs`` (see :meth:`share_prompt_scores`).
         self.scores_prompt = self.prompt_logprobs is not None
+        #: An embedding's pooled final hidden states (``params.pooling``): the last prompt token's row [1, hidden],
+        #: or every prompt token's [prompt, hidden], float32, written as the chunks computing them land.
+        self.pooled_rows: torch.Tensor | None = None
         self.detokenizer = detokenizer
         self.text = ""  #: text released to the consumer
         self.held = ""  #: text not yet released: it may be the start of a stop string
@@ -142,6 +147,36 @@ class Sequence:
         them again: a request's n sequences share one prompt, so one of them scores it.  This one's prompt may
         then come from the prefix cache."""
         self.prompt_logprobs, self.scores_prompt = scorer.prompt_logprobs, False
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Whether every prompt token's row is needed (scored, or pooled by mean): no cached prefix may skip one."""
+        return self.scores_prompt or self.params.pooling == "mean"
+
+    def pooled_positions(self, start: int, end: int) -> range:
+        """The positions among ``start:end`` whose final hidden states this sequence pools (none unless it is an
+        embedding)."""
+        pooling, prompt = self.params.pooling, len(self.prompt_ids)
+        if pooling == "mean":
+            return range(start, min(end, prompt))
+        if pooling == "last" and start < prompt <= end:
+            return range(prompt - 1, prompt)
+        return range(0)
+
+    def keep_pooled(self, positions: range, rows: torch.Tensor) -> None:
+        """Store the final hidden states ``rows`` of ``positions`` (:meth:`pooled_positions`); a recompute after a
+        preemption writes the same rows again."""
+        if self.pooled_rows is None:
+            count = 1 if self.params.pooling == "last" else len(self.prompt_ids)
+            self.pooled_rows = torch.empty(count, rows.shape[1], dtype=torch.float32)
+        first = 0 if self.params.pooling == "last" else positions.start
+        self.pooled_rows[first : first + len(positions)] = rows
+
+    def pooled(self) -> torch.Tensor:
+        """The embedding, once the prompt is computed: the pooled rows' mean (the last row alone for ``last``),
+        float32 [hidden], not normalized; its bits do not depend on how the prompt was split into chunks."""
+        assert self.pooled_rows is not None, "pooled once the prompt is computed"
+        return self.pooled_rows.mean(dim=0)
 
     @property
     def tokens(self) -> list[int]:

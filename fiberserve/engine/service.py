@@ -65,6 +65,14 @@ class QueueFull(RuntimeError):
     """The admission queue is full; the caller should retry later (HTTP 503)."""
 
 
+class RequestFailed(RuntimeError):
+    """A request that gives one result (an embedding) ended without it: ``seq`` says how (abort or error)."""
+
+    def __init__(self, request_id: str, seq: Sequence) -> None:
+        super().__init__(f"request {request_id} failed: {seq.error or seq.finish_reason}")
+        self.request_id, self.seq = request_id, seq
+
+
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     """``auto`` is bfloat16 where its products run fast: a GPU that computes bf16, or a CPU where the kernels'
     bf16 product was built (AVX512-BF16's ``vdpbf16ps``, or AVX2 multiply-adds with the same arithmetic, which
@@ -520,7 +528,8 @@ class LlmService:
         for seq in seqs[1:]:
             seq.share_prompt_scores(seqs[0])
         for seq in seqs:
-            if seq.max_tokens <= 0 and not (seq.scores_prompt and len(prompt_ids) > 1):  # finished at once: "length"
+            computes = params.pooling is not None or (seq.scores_prompt and len(prompt_ids) > 1)
+            if seq.max_tokens <= 0 and not computes:  # nothing to compute: "length" at once
                 self.scheduler.finish(seq, FinishReason.LENGTH)
             elif seq.grammar is not None and seq.grammar.complete:  # the grammar takes only the empty output
                 self.scheduler.finish(seq, FinishReason.STOP)
@@ -565,6 +574,17 @@ class LlmService:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None):
         return await self.wait(self.submit(prompt_ids, params, request_id))
+
+    async def embed(self, prompt_ids: list[int], pooling: str, request_id: str | None = None) -> torch.Tensor:
+        """The prompt's embedding: its final hidden states pooled (``last`` or ``mean``), float32 [hidden], not
+        normalized; batched with the other requests like a prefill.  Raises InvalidParameter for a prompt the
+        engine cannot take, :class:`RequestFailed` where it ends otherwise (an abort, an error)."""
+        request = self.submit(prompt_ids, SamplingParams(max_new_tokens=0, pooling=pooling), request_id)
+        await self.wait(request)
+        seq = request.seqs[0]
+        if seq.finish_reason is not FinishReason.STOP:
+            raise RequestFailed(request.id, seq)
+        return seq.pooled()
 
     async def flush_cache(self) -> int:
         return self.pages.flush()

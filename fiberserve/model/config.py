@@ -92,6 +92,11 @@ class ModelConfig:
     #: ``cap * tanh(x / cap)`` on attention scores and on the final logits (Gemma 2); None: no capping.
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    #: How the file says its embeddings pool the final hidden states (llama.cpp's ``pooling_type``: ``mean``,
+    #: ``last`` or ``rank``, a reranker's score head over the last token's); None: not said.
+    pooling: str | None = None
+    #: A reranker's prompt, with ``{query}`` and ``{document}`` in it (``tokenizer.chat_template.rerank``).
+    rerank_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -223,6 +228,10 @@ def open_gguf(path: Path) -> GgufFile:
         raise ValueError(f"--model {path}: not a GGUF file this server can read ({type(exc).__name__}: {exc})") from exc
 
 
+#: llama.cpp's ``pooling_type`` values that a decoder model's embeddings take (1 mean, 3 last, 4 rank).
+GGUF_POOLING_TYPES = {1: "mean", 3: "last", 4: "rank"}
+
+
 def _field(reader: GgufFile, key: str, default: Any = None) -> Any:
     return reader.fields.get(key, default)
 
@@ -284,6 +293,8 @@ def gguf_config(reader: GgufFile) -> ModelConfig:
         attention_scale=head_dim**-0.5 if gemma else None,
         attn_softcap=_optional_float(get("attn_logit_softcapping")),
         final_softcap=_optional_float(get("final_logit_softcapping")),
+        pooling=GGUF_POOLING_TYPES.get(get("pooling_type")),
+        rerank_template=_field(reader, "tokenizer.chat_template.rerank"),
     )
 
 

@@ -262,6 +262,9 @@ class LlamaModel:
         self.embed = self._rows_of("model.embed_tokens.weight", w, quantization)
         self.lm_head = self.embed if tied else self._rows_of("lm_head.weight", w, quantization)
         self.norm = w["model.norm.weight"].to(device=self.device, dtype=torch.float32)
+        #: A reranker's score head [labels, hidden] and its bias, float32 (None: the file has none).
+        self.score_head = w["score.weight"].float() if "score.weight" in w else None
+        self.score_bias = w["score.bias"].float() if "score.bias" in w else None
         self.quantization = quantization
         #: Attention runs on :func:`.kernels.paged_attention` (CPU, a head size and group the kernel takes).
         self.kernel_attention = self.device.type == "cpu" and kernels.supports(config, dtype)
@@ -328,6 +331,24 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Run the flat batch, write its K/V into ``cache``, return float32 logits [R, vocab]."""
         return self._logits(self._final_hidden(batch, cache))
+
+    @torch.inference_mode()
+    def final_hidden(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Run the flat batch, write its K/V into ``cache``, return the final norm's float32 [R, hidden] of its
+        ``logit_rows``: what :meth:`forward` puts through the head (an embedding pools these)."""
+        return self._final_hidden(batch, cache)
+
+    @torch.inference_mode()
+    def label_scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The score head over rows of :meth:`final_hidden`: float32 [R, labels] (a reranker's raw scores)."""
+        assert self.score_head is not None, "the model has a score head"
+        scores = hidden.float().cpu() @ self.score_head.T
+        return scores if self.score_bias is None else scores + self.score_bias
+
+    @torch.inference_mode()
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head over rows of :meth:`final_hidden`: float32 [R, vocab], as :meth:`forward` gives them."""
+        return self._logits(hidden)
 
     @torch.inference_mode()
     def greedy(self, batch: ForwardBatch, cache: KVCache) -> list[int]:

@@ -126,6 +126,8 @@ _GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    "cls.output.weight": "score.weight",  # a reranker's score head (llama.cpp's name)
+    "cls.output.bias": "score.bias",
 }
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",

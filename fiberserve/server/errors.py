@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from fiberserve.engine import InvalidParameter, QueueFull
+from fiberserve.engine import InvalidParameter, QueueFull, RequestFailed
 from fiberserve.engine.sequence import Sequence
 
 T = TypeVar("T")
@@ -67,13 +67,16 @@ def translated(build: Callable[[], T], rename: dict[str, str], whole: str) -> T:
 
 
 def from_engine(exc: Exception, rename: dict[str, str] | None = None) -> ApiError:
-    """Map the engine's refusals to HTTP: bad parameters 400, a full queue 503 with Retry-After."""
+    """Map the engine's refusals to HTTP: bad parameters 400, a full queue 503 with Retry-After, a failed
+    request its sequence's status (:func:`failure`)."""
     if isinstance(exc, InvalidParameter):
         field = (rename or {}).get(exc.field, exc.field)
         message = str(exc).replace(exc.field, field, 1)
         return ApiError(400, message, field)
     if isinstance(exc, QueueFull):
         return ApiError(503, str(exc), kind="overloaded", headers={"Retry-After": "1"})
+    if isinstance(exc, RequestFailed):
+        return failure(exc.request_id, exc.seq)
     raise exc
 
 

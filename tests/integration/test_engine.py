@@ -12,7 +12,10 @@ import torch
 from fiberserve.engine import SamplingParams, speculation
 from fiberserve.engine import service as service_module
 from fiberserve.engine.faults import FaultPoint
+from fiberserve.engine.flight import FlightItem
+from fiberserve.engine.runner import ModelRunner
 from fiberserve.engine.sampling_params import InvalidParameter
+from fiberserve.engine.sequence import Sequence
 from fiberserve.model.batch import ForwardBatch
 from fiberserve.runtime.worker import GIL_SWITCH_INTERVAL_S
 from tests.integration.engine_utils import Engine, assert_same_or_near_tie
@@ -681,3 +684,70 @@ async def test_every_isolation_serves_the_model_each_call_on_its_fiber_s_team(en
         assert [await fiber.run(torch.get_num_threads) for fiber in svc.pool.fibers] == [1, 1]
     finally:
         await svc.close()
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+async def test_embeddings_batched_beside_generations_equal_each_alone_bit_for_bit(engine, pooling):
+    """An embedding is its prompt's final hidden states pooled: one prompt at a time in whole chunks, or eight at
+    once in chunks of 24 tokens beside generating requests, with the prompts' pages in the prefix cache or not, its
+    bits are the same; the generations beside them are their own."""
+    prompts = engine.chat_prompts(8)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0)
+    svc = engine.service(fibers=1)
+    await svc.start()
+    try:
+        alone = [await svc.embed(p, pooling) for p in prompts]
+        generated = [(await svc.generate(p, greedy)).outputs[0].token_ids for p in prompts[:2]]
+        again = [await svc.embed(p, pooling) for p in prompts]  # their pages now in the prefix cache
+    finally:
+        await svc.close()
+    assert all(torch.equal(a, b) for a, b in zip(alone, again, strict=True))
+    assert all(v.shape == (svc.model.config.hidden_size,) and v.dtype == torch.float32 for v in alone)
+    assert len({tuple(v[:4].tolist()) for v in alone}) == len(prompts)  # each prompt its own
+
+    svc = engine.service(fibers=2, max_batch_tokens=24)
+    await svc.start()
+    try:
+        generating = [svc.submit(p, greedy) for p in prompts[:2]]
+        batched = await asyncio.gather(*(svc.embed(p, pooling) for p in prompts))
+        outputs = await asyncio.gather(*(svc.wait(r) for r in generating))
+        await asyncio.sleep(0)
+        assert svc.is_idle() and svc.pages.used_pages == 0
+        svc.check_integrity()
+    finally:
+        await svc.close()
+    assert [o.outputs[0].token_ids for o in outputs] == generated
+    for a, b in zip(alone, batched, strict=True):
+        assert torch.equal(a, b)
+
+
+async def test_an_embedding_s_pooling_and_its_refusals(engine, tokenizer):
+    """``last`` is the last token's final hidden state, ``mean`` every token's mean (the hidden states of
+    :meth:`LlamaModel.final_hidden` over the whole prompt); an embedding generates nothing and ends by ``stop``."""
+    prompt = engine.chat_prompts(1)[0]
+    svc = engine.service(fibers=1)
+    await svc.start()
+    try:
+        last, mean = await svc.embed(prompt, "last"), await svc.embed(prompt, "mean")
+        request = svc.submit(prompt, SamplingParams(max_new_tokens=0, pooling="mean"))
+        output = await svc.wait(request)
+        assert output.outputs[0].finish_reason == "stop" and output.outputs[0].token_ids == []
+        for bad, field in [
+            (SamplingParams(max_new_tokens=0, pooling="cls"), "pooling"),
+            (SamplingParams(max_new_tokens=3, pooling="last"), "max_new_tokens"),
+            (SamplingParams(max_new_tokens=0, pooling="last", n=2), "n"),
+        ]:
+            with pytest.raises(InvalidParameter) as refused:
+                svc.submit(prompt, bad)
+            assert refused.value.field == field
+    finally:
+        await svc.close()
+    model = svc.model
+    runner = ModelRunner(model, svc.kv_cache, lambda: 1, svc.faults)
+    seq = Sequence("r", 0, prompt, SamplingParams(max_new_tokens=0, pooling="mean"), None, frozenset(), 4096)
+    seq.pages = list(range(svc.pages.pages_for(len(prompt))))
+    batch = runner.build_batch([FlightItem(seq, 0, len(prompt), tuple(seq.pages))])
+    hidden = model.final_hidden(batch, svc.kv_cache)
+    assert hidden.shape == (len(prompt), model.config.hidden_size)
+    assert torch.equal(last, hidden[-1])
+    torch.testing.assert_close(mean, hidden.mean(dim=0), atol=0, rtol=0)

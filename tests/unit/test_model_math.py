@@ -499,3 +499,17 @@ def test_a_row_has_the_same_bits_decoded_alone_or_in_any_span_and_batch(tmp_path
     one_by_one = torch.cat(run([[(a[: n + 1], pa, n)] for n in range(12, 20)]))
     spans = run([[(a[:15], pa, 12), (b[:11], pb, 10)], [(a[:16], pa, 15)], [(a[:20], pa, 16), (b[:14], pb, 11)]])
     assert torch.equal(torch.cat([spans[0][:3], spans[1], spans[2][:4]]), one_by_one)
+
+
+def test_the_final_hidden_states_an_embedding_pools_are_transformers_last_hidden_state(tiny_dirs):
+    """What ``final_hidden`` gives for the batch's logit rows is the final norm's output, transformers'
+    ``last_hidden_state``; the head over it is :meth:`forward`'s logits."""
+    from transformers import AutoModel
+
+    model = LlamaModel(load_checkpoint(tiny_dirs["gguf"]))
+    cache = KVCache(model.config, 64, PAGE, model.dtype, "cpu")
+    hidden = model.final_hidden(prefill_batch([(TOKENS, list(range(64)))]), cache)
+    with torch.no_grad():
+        theirs = AutoModel.from_pretrained(str(tiny_dirs["hf"]), torch_dtype=torch.float32)(torch.tensor([TOKENS]))
+    torch.testing.assert_close(hidden, theirs.last_hidden_state[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(model.logits_of(hidden), logits_of(model, TOKENS), atol=1e-5, rtol=0)
