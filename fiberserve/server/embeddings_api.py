@@ -99,8 +99,8 @@ def _rerank_prompt(service: LlmService, query: str, document: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
     eos, sep = getattr(tokenizer.hf, "eos_token_id", None), getattr(tokenizer.hf, "sep_token_id", None)
     sep = eos if sep is None else sep
-    pieces = [[config.bos_token_id], tokenizer.encode(query, add_special_tokens=False), [eos, sep]]
-    pieces += [tokenizer.encode(document, add_special_tokens=False), [eos]]
+    pieces: list[list[int | None]] = [[config.bos_token_id], [*tokenizer.encode(query, add_special_tokens=False)]]
+    pieces += [[eos, sep], [*tokenizer.encode(document, add_special_tokens=False)], [eos]]
     return [token for piece in pieces for token in piece if token is not None]
 
 
