@@ -1,6 +1,6 @@
 """Quantizers into every GGUF block format the product serves, for the files that tests and benchmarks write.
 
-gguf writes Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0; the K formats (Q4_K, Q5_K, Q6_K) and IQ4_NL, which gguf can read
+gguf writes Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0; the K formats (Q2_K to Q6_K) and IQ4_NL, which gguf can read
 but not write, are quantized here plainly: each block's scale from its range, rounded to the nearest step, packed
 as llama.cpp lays the bytes out (llama.cpp's own quantizer searches for better scales; the layout, and so the
 work of serving the file, is what matters here).
@@ -45,6 +45,10 @@ def quantize_k(weights: np.ndarray, type_name: str) -> np.ndarray:
     supers = weights.astype(np.float32).reshape(rows, -1, SUPER)
     if type_name == "Q6_K":
         return _q6_k(supers).reshape(rows, -1)
+    if type_name == "Q3_K":
+        return _q3_k(supers).reshape(rows, -1)
+    if type_name == "Q2_K":
+        return _q2_k(supers).reshape(rows, -1)
     return _q45_k(supers, 4 if type_name == "Q4_K" else 5).reshape(rows, -1)
 
 
@@ -88,3 +92,44 @@ def _q6_k(supers: np.ndarray) -> np.ndarray:
     tops = np.stack([((q[..., j, :] >> 4) & 3) << (2 * j) for j in range(4)])  # run j's top bits at 2j
     qh = np.bitwise_or.reduce(tops, axis=0).astype(np.uint8)
     return np.concatenate([ql.reshape(*q.shape[:2], 128), qh.reshape(*q.shape[:2], 64), sc.view(np.uint8), _f16(d)], -1)
+
+
+def _two_bit_planes(low: np.ndarray) -> np.ndarray:
+    """2-bit values [..., 256] as Q2_K's and Q3_K's 64 bytes: byte 32 h + l holds element 128 h + 32 j + l at
+    bits 2j."""
+    runs = low.reshape(*low.shape[:-1], 2, 4, 32).astype(np.uint8)
+    planes = np.bitwise_or.reduce(np.stack([runs[..., j, :] << (2 * j) for j in range(4)]), axis=0)
+    return planes.reshape(*low.shape[:-1], 64)
+
+
+def _q2_k(supers: np.ndarray) -> np.ndarray:
+    """scales[16] (a 4-bit scale and a 4-bit min per 16 inputs), qs[64] (2 bits a weight), d, dmin."""
+    groups = supers.reshape(*supers.shape[:2], 16, 16)
+    low = np.minimum(groups.min(-1), 0)
+    scale = (groups.max(-1) - low) / 3
+    d = (scale.max(-1) / 15).astype(np.float16).astype(np.float32)
+    dmin = (-low.min(-1) / 15).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(scale / np.where(d > 0, d, 1)[..., None]), 0, 15).astype(np.uint8)
+    m = np.clip(np.round(-low / np.where(dmin > 0, dmin, 1)[..., None]), 0, 15).astype(np.uint8)
+    step = (d[..., None] * sc)[..., None]
+    q = np.clip(np.round((groups + (dmin[..., None] * m)[..., None]) / np.where(step > 0, step, 1)), 0, 3)
+    planes = _two_bit_planes(q.reshape(*supers.shape))
+    return np.concatenate([sc | (m << 4), planes, _f16(d), _f16(dmin)], -1)
+
+
+def _q3_k(supers: np.ndarray) -> np.ndarray:
+    """hmask[32] (bit j of byte l: element 32 j + l is not offset by -4), qs[64] (its low 2 bits), 12 bytes of
+    6-bit scales (stored + 32), d; w = d * (scale - 32) * q with q in -4..3."""
+    groups = supers.reshape(*supers.shape[:2], 16, 16)
+    scale = np.abs(groups).max(-1) / 4
+    d = (scale.max(-1) / 31).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(scale / np.where(d > 0, d, 1)[..., None]), 0, 31).astype(np.int16)
+    step = (d[..., None] * sc)[..., None]
+    q = np.clip(np.round(groups / np.where(step > 0, step, 1)), -4, 3).astype(np.int16).reshape(*supers.shape)
+    high = (q >= 0).astype(np.uint8).reshape(*supers.shape[:2], 8, 32)
+    hmask = np.bitwise_or.reduce(np.stack([high[..., j, :] << j for j in range(8)]), axis=0).astype(np.uint8)
+    planes = _two_bit_planes(np.where(q >= 0, q, q + 4))
+    stored = (sc + 32).astype(np.uint8)
+    nibbles = (stored[..., :8] & 15) | ((stored[..., 8:] & 15) << 4)
+    tops = np.bitwise_or.reduce(np.stack([((stored[..., 4 * k : 4 * k + 4] >> 4) & 3) << (2 * k) for k in range(4)]), 0)
+    return np.concatenate([hmask, planes, nibbles, tops.astype(np.uint8), _f16(d)], -1)

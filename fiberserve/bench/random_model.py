@@ -5,12 +5,12 @@ tokenizer the embedded model's (its vocabulary padded with reserved tokens to th
 head does a real model's work).  The text is meaningless; the work per token is the real model's.
 
 Formats: any block format the product serves (every 2-D weight in it, as llama-quantize's ``--pure`` writes), or
-llama.cpp's mixes ``Q4_K_M`` and ``Q5_K_M`` (:func:`tensor_format`).
+llama.cpp's mixes ``Q3_K_M``, ``Q4_K_M`` and ``Q5_K_M`` (:func:`tensor_format`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,8 +41,37 @@ SHAPES = {
     "llama-3.1-8b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256, tied=False),
 }
 
-#: llama.cpp's mixes: the format of most matrices, and the one its quantizer gives the layers it favours.
-MIXES = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
+
+@dataclass(frozen=True)
+class Mix:
+    """One of llama.cpp's mixes, as its quantizer (``llama_tensor_get_type``) gives a Llama model's matrices their
+    formats: the output head's, attn_v's and ffn_down's in the layers it favours and in the rest, attn_output's,
+    and ``base`` for every other matrix."""
+
+    base: str
+    head: str
+    favoured: str  #: attn_v and ffn_down where :attr:`favours` says so
+    plain: str  #: attn_v and ffn_down elsewhere
+    attn_output: str
+    favours: Callable[[int, int, str], bool]  #: (layer, layers, matrix name) -> favoured
+
+
+def _favoured(layer: int, layers: int, _name: str = "") -> bool:
+    """llama.cpp's ``use_more_bits``: the first and last eighth of the layers, and every third one between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def _q3_k_m_favoured(layer: int, layers: int, name: str) -> bool:
+    """Q3_K_M's Q5_K matrices: the first two layers' attn_v, the first sixteenth's ffn_down."""
+    return layer < 2 if name.endswith("attn_v.weight") else layer < layers // 16
+
+
+#: llama.cpp's mixes by their names.
+MIXES = {
+    "Q3_K_M": Mix("Q3_K", "Q6_K", favoured="Q5_K", plain="Q4_K", attn_output="Q4_K", favours=_q3_k_m_favoured),
+    "Q4_K_M": Mix("Q4_K", "Q6_K", favoured="Q6_K", plain="Q4_K", attn_output="Q4_K", favours=_favoured),
+    "Q5_K_M": Mix("Q5_K", "Q6_K", favoured="Q6_K", plain="Q5_K", attn_output="Q5_K", favours=_favoured),
+}
 
 FORMATS = sorted(NATIVE_BITS) + sorted(MIXES)
 
@@ -53,23 +82,20 @@ WEIGHT_SCALE, NORM_SPREAD = 0.02, 0.1
 ROWS_PER_CHUNK = 1024
 
 
-def _favoured(layer: int, layers: int) -> bool:
-    """llama.cpp's ``use_more_bits``: the first and last eighth of the layers, and every third one between."""
-    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
-
-
 def tensor_format(name: str, layers: int, file_format: str, tied: bool) -> str:
     """The block format of matrix ``name`` in a ``file_format`` file: llama-quantize's choice for a mix (the output
-    head in Q6_K, or the embedding where the head reads it (``tied``); attn_v and ffn_down of the favoured layers in
-    Q6_K), else the file's."""
+    head's format for the head, or for the embedding where the head reads it (``tied``); see :class:`Mix`), else
+    the file's."""
     if file_format not in MIXES:
         return file_format
-    base, more = MIXES[file_format]
+    mix = MIXES[file_format]
     if name == "output.weight" or (tied and name == "token_embd.weight"):
-        return more
-    if name.endswith(("attn_v.weight", "ffn_down.weight")) and _favoured(int(name.split(".")[1]), layers):
-        return more
-    return base
+        return mix.head
+    if name.endswith("attn_output.weight"):
+        return mix.attn_output
+    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        return mix.favoured if mix.favours(int(name.split(".")[1]), layers, name) else mix.plain
+    return mix.base
 
 
 def _matrices(shape: Shape) -> Iterator[tuple[str, tuple[int, int]]]:

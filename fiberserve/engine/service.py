@@ -101,10 +101,10 @@ AMX_BF16_MAX_BYTES = 512 << 20
 
 def resolve_quantization(name: str, checkpoint: Checkpoint, device: str) -> str:
     """``auto`` is int4 where that mode serves the file's own weights (a GGUF whose decoder matrices are all in
-    blocks int4 computes with as they are, as llama.cpp does: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
-    IQ4_NL) and is the faster mode: on a CPU whose bf16 products do not run on AMX tiles (there, int4's integer
-    products win at every batch size), and on one whose do for a model whose bf16 decoder weights would exceed
-    :data:`AMX_BF16_MAX_BYTES` (on the tiles bf16 wins from a few sequences on only while the weights are small).
+    blocks int4 computes with as they are, as llama.cpp does: :data:`.NATIVE_BITS`) and is the faster mode: on a
+    CPU whose bf16 products do not run on AMX tiles (there, int4's integer products win at every batch size), and
+    on one whose do for a model whose bf16 decoder weights would exceed :data:`AMX_BF16_MAX_BYTES` (on the tiles
+    bf16 wins from a few sequences on only while the weights are small).
     Otherwise none."""
     if name != "auto":
         return name

@@ -4,7 +4,9 @@ with a scale and a min per block or per half block (``group`` inputs).
 Kinds of block, by the bits of ``q``:
 
 * 4 bits (``q`` in 0..15, any ``min``): llama.cpp's Q4_1, Q4_0 (``w = d * (q - 8)``, so ``min = -8 d``) and
-  Q4_K (a super-block's float16 ``d`` and ``dmin`` times each block's 6-bit scale and min);
+  Q4_K (a super-block's float16 ``d`` and ``dmin`` times each block's 6-bit scale and min); with a scale per 16
+  inputs, Q3_K (``w = d * scale6 * q`` with q in -4..3, stored as q + 8, ``zero = 8``) and Q2_K (``w = d * scale4 *
+  q - dmin * min4`` with q in 0..3), a nibble holding their 3 or 2 bits;
 * 8 bits, ``q`` a byte: llama.cpp's Q8_0 (its signed q stored as q + 128, ``zero = 128``), Q5_0 (``w = d * (q -
   16)`` with q in 0..31, stored as q + 112), IQ4_NL (``w = d * table[q]``, its 4-bit index looked up in
   llama.cpp's table of 16 int8 values, stored as table[q] + 128), Q5_1 and Q5_K (5-bit q with a min);
@@ -39,6 +41,8 @@ _ZEROS_AND_GROUPS = {
     "Q5_1": (None, QUANT_GROUP),
     "Q8_0": (128, QUANT_GROUP),
     "IQ4_NL": (128, QUANT_GROUP),
+    "Q2_K": (None, 16),
+    "Q3_K": (8, 16),
     "Q4_K": (None, QUANT_GROUP),
     "Q5_K": (None, QUANT_GROUP),
     "Q6_K": (32, 16),
@@ -73,7 +77,7 @@ class QuantBlocks:
     min: torch.Tensor  #: float32 [N, K / group] (``-zero * scale`` where there is a zero)
     bits: int  #: 4, 6 (Q6_K) or 8
     zero: int | None = None
-    group: int = QUANT_GROUP  #: inputs per scale: 32, or 16 (Q6_K)
+    group: int = QUANT_GROUP  #: inputs per scale: 32, or 16 (Q2_K, Q3_K, Q6_K)
     float32_scales: bool = False  #: whether scales and mins need float32 (else their values are float16)
     supers: SuperScales | None = None  #: a K format's own factors of ``scale`` and ``min``
 
@@ -133,7 +137,7 @@ class QuantBlocks:
         blocks = cls(q, scale, low, NATIVE_BITS[type_name], zero, group, float32_scales=type_name.endswith("_K"))
         if not type_name.endswith("_K"):
             return blocks
-        if dmin.numel() == 0:  # Q6_K
+        if dmin.numel() == 0:  # Q6_K, Q3_K
             return replace(blocks, supers=SuperScales(d, steps))
         return replace(blocks, supers=SuperScales(d, steps, dmin, min_steps))
 
@@ -193,7 +197,7 @@ class QuantBlocks:
         if all(p.same_format(first) for p in parts):
             return parts
         parts = [replace(p, supers=None) for p in parts]
-        if all(p.bits == 4 for p in parts):
+        if all(p.bits == 4 and p.group == QUANT_GROUP for p in parts):
             wide = any(p.float32_scales for p in parts)
             return [replace(p, zero=None, float32_scales=wide) for p in parts]
         group = min(p.group for p in parts)

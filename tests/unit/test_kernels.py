@@ -309,6 +309,8 @@ QUANT_FORMATS = {
     "4-bit, float32 scales": (4, None, 32, True, False),  # 4-bit blocks of mixed formats
     "signed bytes": (8, 128, 32, False, False),  # Q8_0, Q5_0, IQ4_NL
     "6-bit, K factors": (6, 32, 16, True, True),  # Q6_K
+    "4-bit signed per 16, K factors": (4, 8, 16, True, True),  # Q3_K
+    "4-bit with mins per 16, K factors": (4, None, 16, True, True),  # Q2_K
     "bytes with mins, K factors": (8, None, 32, True, True),  # Q5_K
     "bytes with mins": (8, None, 32, True, False),  # Q5_1
     "bytes with mins per 16": (8, None, 16, True, False),  # blocks of mixed formats
@@ -323,9 +325,9 @@ def random_blocks(n: int, k: int, kind: str) -> QuantBlocks:
     if factors:
         d, dmin = (torch.rand(n, k // 256) * 0.001).half(), (torch.rand(n, k // 256) * 0.001).half()
         steps = torch.randint(-128 if zero else 0, 128 if zero else 64, (n, k // group), dtype=torch.int8)
-        min_steps = None if zero else -torch.randint(0, 64, (n, k // 32), dtype=torch.int8)
+        min_steps = None if zero else -torch.randint(0, 64, (n, k // group), dtype=torch.int8)
         scales = d.float().repeat_interleave(256 // group, -1) * steps.float()
-        mins = None if zero else dmin.float().repeat_interleave(8, -1) * min_steps.float()
+        mins = None if zero else dmin.float().repeat_interleave(256 // group, -1) * min_steps.float()
         supers = SuperScales(d, steps, None if zero else dmin, min_steps)
         return QuantBlocks(q, scales, -zero * scales if zero else mins, bits, zero, group, True, supers)
     scales = torch.rand(n, k // group) * 0.01

@@ -84,7 +84,7 @@ def test_k_formats_keep_their_scales_exactly_in_float32():
     assert QuantBlocks.from_gguf(file_tensor("Q6_K"), "Q6_K").group == 16
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_k_formats_keep_their_files_factors_and_pack_them_at_their_size(kind):
     """A K format's scales are its super-block's float16 times each group's integer step, kept as the file has
     them: packed, the scales and mins take 16 bits per super-block and 8 per group (Q4_K 4.6 bits a weight)."""
@@ -94,11 +94,11 @@ def test_k_formats_keep_their_files_factors_and_pack_them_at_their_size(kind):
     per_super = 256 // blocks.group
     assert torch.equal(own.d.float().repeat_interleave(per_super, -1) * own.steps.float(), blocks.scale)
     if own.dmin is not None:
-        assert torch.equal(own.dmin.float().repeat_interleave(8, -1) * own.min_steps.float(), blocks.min)
+        assert torch.equal(own.dmin.float().repeat_interleave(per_super, -1) * own.min_steps.float(), blocks.min)
     if quant_kernel_available():
         weights, scales, mins = kernels.quant_pack(blocks)
         factor_bits = 8 * (scales.numel() + mins.numel()) / blocks.q.numel()
-        assert factor_bits == {"Q4_K": 0.625, "Q5_K": 0.625, "Q6_K": 0.5625}[kind]
+        assert factor_bits == {"Q2_K": 1.125, "Q3_K": 0.5625, "Q4_K": 0.625, "Q5_K": 0.625, "Q6_K": 0.5625}[kind]
         assert weights.numel() * 8 / blocks.q.numel() == blocks.bits
 
 

@@ -36,7 +36,25 @@ def test_q4_k_m_gives_the_head_and_llama_cpps_favoured_layers_q6_k():
     assert tensor_format("blk.0.ffn_down.weight", 8, "Q8_0", True) == "Q8_0"  # a plain format: every matrix
 
 
-@pytest.mark.parametrize("file_format", ["Q4_K_M", "IQ4_NL"])
+def test_q3_k_m_gives_llama_cpps_q4_k_and_q5_k_where_its_quantizer_does():
+    """llama-quantize's Q3_K_M for a Llama of 32 layers: Q3_K but for attn_v (Q5_K in layers 0-1, else Q4_K),
+    ffn_down (Q5_K in the first sixteenth, layers 0-1, else Q4_K), attn_output (Q4_K) and the head (Q6_K)."""
+    kinds = {
+        kind: [tensor_format(f"blk.{i}.{kind}.weight", 32, "Q3_K_M", False) for i in (0, 1, 2, 31)]
+        for kind in ("attn_q", "attn_v", "attn_output", "ffn_up", "ffn_down")
+    }
+    assert kinds == {
+        "attn_q": ["Q3_K"] * 4,
+        "attn_v": ["Q5_K", "Q5_K", "Q4_K", "Q4_K"],
+        "attn_output": ["Q4_K"] * 4,
+        "ffn_up": ["Q3_K"] * 4,
+        "ffn_down": ["Q5_K", "Q5_K", "Q4_K", "Q4_K"],
+    }
+    assert tensor_format("output.weight", 32, "Q3_K_M", False) == "Q6_K"
+    assert tensor_format("token_embd.weight", 32, "Q3_K_M", False) == "Q3_K"
+
+
+@pytest.mark.parametrize("file_format", ["Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_NL"])
 def test_a_written_model_loads_tokenizes_and_runs_in_its_own_blocks(tmp_path, model_path, cache_dir, file_format):
     path = write_random_model(tmp_path / "m.gguf", SMALL, file_format, model_path, progress=False)
     file = GgufFile(path)
@@ -62,6 +80,6 @@ def test_a_written_model_loads_tokenizes_and_runs_in_its_own_blocks(tmp_path, mo
 
 
 def test_an_unknown_format_is_refused_by_name(tmp_path, model_path):
-    with pytest.raises(ValueError, match="unknown format 'Q2_K'; the formats are IQ4_NL, Q4_0"):
-        write_random_model(tmp_path / "m.gguf", SMALL, "Q2_K", model_path, progress=False)
+    with pytest.raises(ValueError, match="unknown format 'IQ2_XS'; the formats are IQ4_NL, Q2_K, Q3_K, Q4_0"):
+        write_random_model(tmp_path / "m.gguf", SMALL, "IQ2_XS", model_path, progress=False)
     assert not (tmp_path / "m.gguf").exists()

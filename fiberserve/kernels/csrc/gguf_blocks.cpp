@@ -37,7 +37,7 @@ void scale_min_k4(int j, const uint8_t* s, uint8_t& scale, uint8_t& min) {
   }
 }
 
-enum class Type { kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kIQ4_NL, kQ4_K, kQ5_K, kQ6_K };
+enum class Type { kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kIQ4_NL, kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K };
 
 struct Outputs {
   uint8_t* q;
@@ -95,6 +95,31 @@ void unpack_block(const uint8_t* in, const int8_t* table, uint8_t* q, const Outp
     }
     std::memcpy(out.d + super, in, 2);
     std::memcpy(out.dmin + super, in + 2, 2);
+  } else if constexpr (type == Type::kQ2_K) {  // scales[16] (scale | min << 4), qs[64], d, dmin
+    const float d = half_at(in + 80), dmin = half_at(in + 82);
+    for (int e = 0; e < 256; ++e) q[e] = (in[16 + 32 * (e / 128) + e % 32] >> (2 * (e / 32 % 4))) & 3;
+    for (int j = 0; j < 16; ++j) {
+      const uint8_t scale = in[j] & 0x0F, min = in[j] >> 4;
+      out.scale[g + j] = d * scale, out.min[g + j] = -(dmin * min);
+      out.steps[g + j] = static_cast<int8_t>(scale), out.min_steps[g + j] = static_cast<int8_t>(-min);
+    }
+    std::memcpy(out.d + super, in + 80, 2);
+    std::memcpy(out.dmin + super, in + 82, 2);
+  } else if constexpr (type == Type::kQ3_K) {  // hmask[32], qs[64], 6-bit scales[12], d
+    const float d = half_at(in + 108);
+    const uint8_t *hmask = in, *qs = in + 32, *packed = in + 96;
+    for (int e = 0; e < 256; ++e) {  // q in -4..3 stored as q + 8: the low 2 bits, minus 4 where the mask bit is 0
+      const int low = (qs[32 * (e / 128) + e % 32] >> (2 * (e / 32 % 4))) & 3;
+      const int high = (hmask[e % 32] >> (e / 32)) & 1;
+      q[e] = static_cast<uint8_t>(low + (high ? 8 : 4));
+    }
+    for (int j = 0; j < 16; ++j) {
+      const int low = (packed[j % 8] >> (4 * (j / 8))) & 0x0F, high = (packed[8 + j % 4] >> (2 * (j / 4))) & 3;
+      const int8_t step = static_cast<int8_t>((low | (high << 4)) - 32);
+      out.scale[g + j] = d * step, out.min[g + j] = -8.0f * (d * step);
+      out.steps[g + j] = step;
+    }
+    std::memcpy(out.d + super, in + 108, 2);
   } else {  // Q6_K: ql[128], qh[64], int8 scales[16], d
     const float d = half_at(in + 208);
     for (int n = 0; n < 2; ++n) {
@@ -140,6 +165,8 @@ Layout layout_of(const std::string& name) {
   if (name == "Q5_0") return {Type::kQ5_0, 32, 22, 1, 8};
   if (name == "Q5_1") return {Type::kQ5_1, 32, 24, 1, 8};
   if (name == "Q8_0") return {Type::kQ8_0, 32, 34, 1, 8};
+  if (name == "Q2_K") return {Type::kQ2_K, 256, 84, 16, 4};
+  if (name == "Q3_K") return {Type::kQ3_K, 256, 110, 16, 4};
   if (name == "Q4_K") return {Type::kQ4_K, 256, 144, 8, 4};
   if (name == "Q5_K") return {Type::kQ5_K, 256, 176, 8, 8};
   if (name == "Q6_K") return {Type::kQ6_K, 256, 210, 16, 6};
@@ -156,6 +183,8 @@ void for_format(Type type, F&& f) {
     case Type::kQ5_0: f(std::integral_constant<Type, Type::kQ5_0>{}); break;
     case Type::kQ5_1: f(std::integral_constant<Type, Type::kQ5_1>{}); break;
     case Type::kQ8_0: f(std::integral_constant<Type, Type::kQ8_0>{}); break;
+    case Type::kQ2_K: f(std::integral_constant<Type, Type::kQ2_K>{}); break;
+    case Type::kQ3_K: f(std::integral_constant<Type, Type::kQ3_K>{}); break;
     case Type::kQ4_K: f(std::integral_constant<Type, Type::kQ4_K>{}); break;
     case Type::kQ5_K: f(std::integral_constant<Type, Type::kQ5_K>{}); break;
     case Type::kQ6_K: f(std::integral_constant<Type, Type::kQ6_K>{}); break;
@@ -169,7 +198,7 @@ struct Factors {
 
   Factors(const at::Tensor& raw, const Layout& layout, int64_t N, int64_t per_row) {
     const int64_t groups = per_row * layout.groups;
-    const bool k_format = layout.inputs == 256, mins = layout.type == Type::kQ4_K || layout.type == Type::kQ5_K;
+    const bool k_format = layout.inputs == 256, mins = layout.type == Type::kQ2_K || layout.type == Type::kQ4_K || layout.type == Type::kQ5_K;
     const auto bytes = raw.options();
     scale = at::empty({N, groups}, bytes.dtype(at::kFloat)), min = at::empty({N, groups}, bytes.dtype(at::kFloat));
     d = at::empty({k_format ? N : 0, per_row}, bytes.dtype(at::kHalf));

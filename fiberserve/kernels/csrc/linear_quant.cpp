@@ -7,6 +7,8 @@
 //   8 bits, signed (Q8_0, Q5_0, IQ4_NL): w = d * (q - 128), q stored as a byte; a group's dot product is
 //                  d * dx * (sum(q * xq) - 128 * sum(xq)), no min;
 //   6 bits, signed (Q6_K): w = d * (q - 32), q in 0..63 as a 4-bit part and a 2-bit part, a scale per 16 inputs;
+//   4 bits, a scale per 16 inputs (Q3_K signed: w = d * (q - 8); Q2_K with a min per 16 inputs): the nibbles of
+//                  the 4-bit layout, walked a half block at a time as the 6 bits are;
 //   8 bits with mins (Q5_1, Q5_K and blocks of mixed formats): q a byte, the 4-bit arithmetic,
 // i.e. exactly the dot product of the dequantized weights and the quantized activations.  The sums are integer
 // arithmetic: AVX512-VNNI vpdpbusd multiplies 4 unsigned q by 4 signed xq per lane, 64 products an instruction
@@ -112,7 +114,7 @@ template <int kBits_, bool kMins_, typename scale_t_, int kScaleGroup_, int kMin
 struct Format {
   static constexpr int kBits = kBits_;
   static constexpr bool kMins = kMins_;
-  static constexpr int kZero = kBits_ == 6 ? 32 : 128;  // a signed q's offset
+  static constexpr int kZero = kBits_ == 4 ? 8 : kBits_ == 6 ? 32 : 128;  // a signed q's offset
   static constexpr int64_t kBlockBytes = kGroup * kBlock * kBits_ / 8;  // bytes of a block of a column block
   static constexpr int kMinSteps = kMinSteps_;
   static constexpr bool kStoredMins = kMins_ && kMinSteps_ == 0;
@@ -120,10 +122,12 @@ struct Format {
   static constexpr int kScalesPerBlock = kGroup / kScaleGroup_;
   static constexpr bool kSuper = std::is_same_v<scale_t_, int8_t>;
   using scale_t = scale_t_;
-  static_assert(kMins || kBits >= 6, "signed q: 6 or 8 bits");
-  static_assert(kBits != 4 || kScaleGroup == kGroup, "4 bits: a scale per block");
-  static_assert(kBits != 6 || (!kMins && kScaleGroup == kGroup / 2), "6 bits: signed, a scale per half block");
-  static_assert(!kSuper || !kMins || kScaleGroup == kGroup, "a K format's mins: one per block, as its scales");
+  // Whether q is walked a half block at a time (a scale per 16 inputs, 4 or 6 bits).
+  static constexpr bool kHalves = kBits_ <= 6 && kScaleGroup_ == kGroup / 2;
+  static_assert(kMins || kBits >= 6 || kHalves, "signed q: 6 or 8 bits, or 4 bits with a scale per half block");
+  static_assert(kBits != 4 || kScaleGroup == kGroup || (kHalves && kSuper), "4 bits: a scale per block, or K factors per half");
+  static_assert(kBits != 6 || (!kMins && kHalves), "6 bits: signed, a scale per half block");
+  static_assert(!kSuper || !kMins || kScaleGroup == kGroup || kBits == 4, "a K format's mins: per block, or 4 bits' per half");
 };
 
 using Q4 = Format<4, true, c10::Half, 32>;           // Q4_1 (and Q4_0 blocks of a mixed matrix)
@@ -132,11 +136,15 @@ using Q4Super = Format<4, true, int8_t, 32>;         // Q4_K
 using Q4Wide = Format<4, true, float, 32>;           // 4-bit blocks of mixed formats
 using Q8 = Format<8, false, c10::Half, 32>;          // Q8_0, Q5_0, IQ4_NL
 using Q6Super = Format<6, false, int8_t, 16>;        // Q6_K
+using Q4SignedHalves = Format<4, false, int8_t, 16>; // Q3_K
+using Q4HalfMins = Format<4, true, int8_t, 16>;      // Q2_K
 using Q8SuperMins = Format<8, true, int8_t, 32>;     // Q5_K
 using Q8Mins = Format<8, true, float, 32>;           // Q5_1
 using Q8HalfMins = Format<8, true, float, 16>;       // blocks of mixed formats
 
-enum class FormatId { kQ4, kQ4Zero8, kQ4Super, kQ4Wide, kQ6Super, kQ8, kQ8SuperMins, kQ8Mins, kQ8HalfMins };
+enum class FormatId {
+  kQ4, kQ4Zero8, kQ4Super, kQ4Wide, kQ4SignedHalves, kQ4HalfMins, kQ6Super, kQ8, kQ8SuperMins, kQ8Mins, kQ8HalfMins
+};
 
 // fn(F{}) for the format `id` names.
 template <typename Fn>
@@ -146,6 +154,8 @@ void with_format(FormatId id, const Fn& fn) {
     case FormatId::kQ4Zero8: return fn(Q4Zero8{});
     case FormatId::kQ4Super: return fn(Q4Super{});
     case FormatId::kQ4Wide: return fn(Q4Wide{});
+    case FormatId::kQ4SignedHalves: return fn(Q4SignedHalves{});
+    case FormatId::kQ4HalfMins: return fn(Q4HalfMins{});
     case FormatId::kQ6Super: return fn(Q6Super{});
     case FormatId::kQ8: return fn(Q8{});
     case FormatId::kQ8SuperMins: return fn(Q8SuperMins{});
@@ -334,22 +344,25 @@ inline __m512i high_bits(__m512i high) {
   else return _mm512_and_si512(_mm512_srli_epi16(high, 2 * kField - 4), mask);
 }
 
-// Load j's (of a block's 4) 64 q of half h of a 6-bit block at w: its nibbles, h's half, and their high bits.
-template <int kHalf, int kLoad>
-inline __m512i six_bits(const uint8_t* w) {
+// Load j's (of a block's 4) 64 q of half h of a 4- or 6-bit block at w: its nibbles, h's half, and for 6 bits
+// their high bits.
+template <int kBits, int kHalf, int kLoad>
+inline __m512i half_block_q(const uint8_t* w) {
   const __m512i v = _mm512_loadu_si512(w + kLoad * 64), low = _mm512_set1_epi8(0x0F);
   const __m512i nibbles = _mm512_and_si512(kHalf ? _mm512_srli_epi16(v, 4) : v, low);
-  return _mm512_or_si512(nibbles, high_bits<2 * (kLoad % 2) + kHalf>(_mm512_loadu_si512(w + (4 + kLoad / 2) * 64)));
+  if constexpr (kBits == 4) return nibbles;
+  else return _mm512_or_si512(nibbles, high_bits<2 * (kLoad % 2) + kHalf>(_mm512_loadu_si512(w + (4 + kLoad / 2) * 64)));
 }
 
-// The integer sums of half h (16 inputs) of block b of a 6-bit column block, its 4 steps.
+// The integer sums of half h (16 inputs) of block b of a column block walked by halves, its 4 steps.
 template <int kHalf, int MR, int NR, int kChains, typename F>
-inline void six_bit_half(const QuantizedRows& x, int64_t row0, int64_t b, const ColumnBlocks<F>& cols,
-                         __m512i (&sums)[kChains][MR][NR]) {
+inline void half_block_sums(const QuantizedRows& x, int64_t row0, int64_t b, const ColumnBlocks<F>& cols,
+                            __m512i (&sums)[kChains][MR][NR]) {
   const int64_t input = b * kGroup + 16 * kHalf;
   const auto load = [&](auto j) {
     __m512i wv[NR];
-    for (int c = 0; c < NR; ++c) wv[c] = six_bits<kHalf, decltype(j)::value>(cols.w + c * cols.w_stride + b * F::kBlockBytes);
+    for (int c = 0; c < NR; ++c)
+      wv[c] = half_block_q<F::kBits, kHalf, decltype(j)::value>(cols.w + c * cols.w_stride + b * F::kBlockBytes);
     step<MR, NR>(x, row0, input + 4 * decltype(j)::value, wv, sums[decltype(j)::value % kChains]);
   };
   load(std::integral_constant<int, 0>{});
@@ -375,7 +388,7 @@ template <int MR, int NR, typename F, bool kGated, typename out_t>
   constexpr int kChains = MR <= 2 ? 2 : 1;
   for (int64_t b = 0; b < x.blocks; ++b) {
     __m512i sums[kChains][MR][NR];
-    if constexpr (F::kBits == 4) {
+    if constexpr (F::kBits == 4 && !F::kHalves) {
       for (int k = 0; k < kChains; ++k)
         for (int r = 0; r < MR; ++r)
           for (int c = 0; c < NR; ++c) sums[k][r][c] = _mm512_setzero_si512();
@@ -392,17 +405,17 @@ template <int MR, int NR, typename F, bool kGated, typename out_t>
       }
       join_chains(sums);
       scale_group<MR, NR, F>(x, row0, b, b, sums[0], cols, acc);
-    } else if constexpr (F::kBits == 6) {
+    } else if constexpr (F::kHalves) {
       if constexpr (MR == 1 && NR <= kCols) prefetch_ahead<NR, F>(cols, b * F::kBlockBytes);
       const auto half = [&](auto h) {
         constexpr int kHalf = decltype(h)::value;
-        for (int r = 0; r < MR; ++r) {
-          const int32_t start = x.offset_of<16>(row0 + r, 2 * b + kHalf) / (128 / F::kZero);  // -32 * sum(xq)
+        for (int r = 0; r < MR; ++r) {  // signed: from -zero * sum(xq); with mins from 0
+          const int32_t start = F::kMins ? 0 : x.offset_of<16>(row0 + r, 2 * b + kHalf) / (128 / F::kZero);
           for (int c = 0; c < NR; ++c) sums[0][r][c] = _mm512_set1_epi32(start);
           for (int k = 1; k < kChains; ++k)
             for (int c = 0; c < NR; ++c) sums[k][r][c] = _mm512_setzero_si512();
         }
-        six_bit_half<kHalf>(x, row0, b, cols, sums);
+        half_block_sums<kHalf>(x, row0, b, cols, sums);
         join_chains(sums);
         scale_group<MR, NR, F>(x, row0, b, 2 * b + kHalf, sums[0], cols, acc);
       };
@@ -587,18 +600,26 @@ struct Operands {
 
 // The format of packed weights, from their tensors (see kernels.quant_pack): 4 bits are 5-dimensional [N / 16,
 // K / 32, 4, 16, 4] (without mins: Q4_0's, -8 d), 6 bits likewise with 6 loads a block; signed bytes have no mins;
-// float32 scales hold one per block of 32 or per half block; int8 scales are a K format's factors and steps.
+// float32 scales hold one per block of 32 or per half block; int8 scales are a K format's factors and steps, per
+// block or per half block (Q2_K, Q3_K, Q6_K), with mins or (signed) without.
 FormatId format_of(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins, int64_t blocks) {
   const int64_t column_blocks = packed.size(0), per_block = column_blocks * blocks * kBlock;
   const bool four = packed.dim() == 5 && packed.size(2) == 4, six = packed.dim() == 5 && packed.size(2) == 6;
   if (scales.scalar_type() == at::kChar) {
-    TORCH_CHECK(blocks % 8 == 0 && (six ? mins.numel() == 0 : mins.scalar_type() == at::kChar),
-                "quant_linear: int8 scales are a K format's (K a multiple of 256; int8 mins, none for 6 bits)");
+    TORCH_CHECK(blocks % 8 == 0 && (mins.numel() == 0 || mins.scalar_type() == at::kChar),
+                "quant_linear: int8 scales are a K format's (K a multiple of 256; int8 mins or none)");
     const int64_t supers = column_blocks * (blocks / 8);
-    TORCH_CHECK(scales.numel() == supers * (six ? SuperFactors<Q6Super>::kBytes : SuperFactors<Q4Super>::kBytes) &&
-                    (six || mins.numel() == scales.numel()),
+    const bool halves = scales.numel() == supers * SuperFactors<Q6Super>::kBytes;  // a scale per 16 inputs
+    TORCH_CHECK((halves || scales.numel() == supers * SuperFactors<Q4Super>::kBytes) &&
+                    (mins.numel() == 0 || mins.numel() == scales.numel()),
                 "quant_linear: a K format's scales and mins must be [N / 16, K / 256, 32 + 16 x groups]");
-    return six ? FormatId::kQ6Super : four ? FormatId::kQ4Super : FormatId::kQ8SuperMins;
+    const bool mins_stored = mins.numel() != 0;
+    TORCH_CHECK(six ? halves && !mins_stored : four ? halves || mins_stored : !halves && mins_stored,
+                "quant_linear: K factors fit 6 bits signed per 16 inputs, 4 bits with mins per 16 or 32 inputs or "
+                "signed per 16, bytes with mins per 32");
+    if (six) return FormatId::kQ6Super;
+    if (four) return halves ? (mins_stored ? FormatId::kQ4HalfMins : FormatId::kQ4SignedHalves) : FormatId::kQ4Super;
+    return FormatId::kQ8SuperMins;
   }
   TORCH_CHECK(!six, "quant_linear: 6 bits take a K format's int8 scales");
   const bool half = scales.scalar_type() == at::kHalf;

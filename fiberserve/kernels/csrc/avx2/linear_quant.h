@@ -124,11 +124,12 @@ inline void scale_group8(const QuantizedRows& x, int64_t row0, int64_t b, int64_
   }
 }
 
-// As the AVX-512 tile's six_bits: load j's q of inputs half `part` of a 6-bit block at w, for the 8 outputs of
-// the 32 bytes at w.
-template <int kPart, int kLoad>
-inline __m256i six_bits8(const uint8_t* w) {
+// As the AVX-512 tile's half_block_q: load j's q of inputs half `part` of a 4- or 6-bit block at w, for the 8
+// outputs of the 32 bytes at w.
+template <int kBits, int kPart, int kLoad>
+inline __m256i half_block_q8(const uint8_t* w) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kLoad * 64)), low = _mm256_set1_epi8(0x0F);
+  if constexpr (kBits == 4) return _mm256_and_si256(kPart ? _mm256_srli_epi16(v, 4) : v, low);
   const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (4 + kLoad / 2) * 64));
   constexpr int kField = 2 * (kLoad % 2) + kPart;
   const __m256i moved = kField < 2 ? _mm256_slli_epi16(high, 4 - 2 * kField) : _mm256_srli_epi16(high, 2 * kField - 4);
@@ -146,7 +147,7 @@ inline void half_tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, co
   for (int64_t b = 0; b < x.blocks; ++b) {
     __m256i sums[MR];
     const int8_t* xb = x.q + row0 * x.K + b * kGroup;
-    if constexpr (F::kBits == 4) {
+    if constexpr (F::kBits == 4 && !F::kHalves) {
       __m256i s16[MR];
       for (int r = 0; r < MR; ++r) s16[r] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
@@ -160,14 +161,15 @@ inline void half_tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, co
       }
       for (int r = 0; r < MR; ++r) sums[r] = _mm256_madd_epi16(s16[r], ones);
       scale_group8<MR, F>(x, row0, b, b, sums, d, m, h, result, ldr);
-    } else if constexpr (F::kBits == 6) {
+    } else if constexpr (F::kHalves) {
       const auto part = [&](auto half) {
         constexpr int kPart = decltype(half)::value;
         const int64_t g = 2 * b + kPart;
-        for (int r = 0; r < MR; ++r) sums[r] = _mm256_set1_epi32(x.offset_of<16>(row0 + r, g) / (128 / F::kZero));
+        for (int r = 0; r < MR; ++r)  // signed: from -zero * sum(xq); with mins from 0
+          sums[r] = _mm256_set1_epi32(F::kMins ? 0 : x.offset_of<16>(row0 + r, g) / (128 / F::kZero));
         const auto load = [&](auto j) {
           constexpr int kLoad = decltype(j)::value;
-          const __m256i q = six_bits8<kPart, kLoad>(w + b * F::kBlockBytes);
+          const __m256i q = half_block_q8<F::kBits, kPart, kLoad>(w + b * F::kBlockBytes);
           for (int r = 0; r < MR; ++r) {
             const __m256i pairs = _mm256_maddubs_epi16(q, broadcast4(xb + r * x.K + 16 * kPart + 4 * kLoad));
             sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs, ones));
