@@ -26,7 +26,7 @@ def setting(default: Any = MISSING, help: str = "", *, choices: tuple[str, ...] 
 
 
 #: ``tool_call_parser`` values: how ``tool_choice: "auto"`` reads calls (none: it is refused).
-TOOL_CALL_PARSERS = ("none", "auto", "hermes", "llama3_json", "mistral", "pythonic")
+TOOL_CALL_PARSERS = ("none", "auto", "hermes", "llama3_json", "mistral", "pythonic", "functiongemma")
 #: ``reasoning_parser`` values: how a chat answer's thinking is split from it (none: it stays in the content).
 REASONING_PARSERS = ("none", "deepseek_r1", "qwen3")
 #: ``pooling`` values: how an embedding pools the prompt (``engine.sampling_params.POOLINGS``, or the file's).
@@ -143,8 +143,8 @@ class ServerConfig:
         "none",
         "how tool_choice 'auto' reads the model's calls: hermes (<tool_call> JSON blocks: Qwen2.5, Qwen3, Hermes), "
         "llama3_json (JSON calls after <|python_tag|> or alone: Llama 3.x), mistral ([TOOL_CALLS]), pythonic "
-        "([f(a=1), ...]: Llama 4, Gemma 3), auto (the one the model's chat template writes calls in, where it "
-        "shows one) or none (auto is refused)",
+        "([f(a=1), ...]: Llama 4, Gemma 3), functiongemma (<start_function_call>: FunctionGemma), auto (the one "
+        "the model's chat template writes calls in, where it shows one) or none (auto is refused)",
         choices=TOOL_CALL_PARSERS,
     )
     reasoning_parser: str = setting(

@@ -15,8 +15,8 @@ machinery (engine/grammar.py) constrains the output to the call's JSON, so the c
 In both modes a call's ``arguments`` is the parameters' JSON text as generated, with ``json.dumps``'s spacing
 (``JsonSpacing``), streamed or not.
 - ``"auto"`` (the default with tools): the model chooses between text and calls, in its own format, which
-  ``--tool-call-parser`` names (``hermes``: ``hermes_tools.py``; ``llama3_json``, ``mistral``, ``pythonic``:
-  ``trailing_tools.py``).  Without one it is refused with a 400, as vLLM
+  ``--tool-call-parser`` names (``hermes``: ``hermes_tools.py``; ``llama3_json``, ``mistral``, ``pythonic``,
+  ``functiongemma``: ``trailing_tools.py``).  Without one it is refused with a 400, as vLLM
   refuses it without ``--enable-auto-tool-choice --tool-call-parser``.
 """
 
@@ -81,8 +81,8 @@ def tool_mode(tools: list[ToolSpec] | None, choice: ToolChoice | None, parser: s
         raise InvalidParameter(
             "tool_choice",
             "'auto' (the default when tools are given) needs the server started with --tool-call-parser (the "
-            "model family's call format: hermes, llama3_json, mistral or pythonic); use 'required', a named "
-            "function, or 'none'",
+            "model family's call format: hermes, llama3_json, mistral, pythonic or functiongemma); use 'required', "
+            "a named function, or 'none'",
         )
     if choice == "none":
         return None

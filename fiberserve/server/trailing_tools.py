@@ -6,7 +6,11 @@ names):
 - ``mistral``: content, then ``[TOOL_CALLS]`` and a JSON list of ``{"name", "arguments"}`` objects, or (newer
   tokenizers) ``[TOOL_CALLS]name[ARGS]{...}`` once per call;
 - ``pythonic`` (Llama 4, Gemma 3 and others prompted for it): the whole answer is a Python list of calls with
-  literal keyword arguments, ``[get_weather(city="Paris"), ...]``.
+  literal keyword arguments, ``[get_weather(city="Paris"), ...]``;
+- ``functiongemma`` (Gemma 3 270M's FunctionGemma and models trained on its tokens): content, then one
+  ``<start_function_call>call:name{key:value,...}<end_function_call>`` per call, a string value between two
+  ``<escape>`` tokens, any other value a number, ``true``, ``false``, ``null``, a ``{...}`` object or a ``[...]``
+  list written the same way; the ``<start_function_response>`` that may follow the calls is not part of them.
 
 As with ``hermes`` (``hermes_tools.py``): each call's ``arguments`` is its JSON object as ``json.dumps`` writes it;
 content that is only whitespace is None; an output whose calls do not parse is answered as text, whole.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -92,17 +97,103 @@ def _pythonic(text: str) -> list[PartialCall] | None:
     return calls
 
 
+GEMMA_CALL, GEMMA_CALL_END, GEMMA_ESCAPE = "<start_function_call>", "<end_function_call>", "<escape>"
+GEMMA_RESPONSE = "<start_function_response>"
+_GEMMA_NAME = re.compile(r"\s*call:([\w.\-]+)\{")
+_GEMMA_KEY = re.compile(r"\s*([^\s:,{}\[\]<>]+)\s*:")
+_GEMMA_SCALAR = re.compile(r"\s*([^,{}\[\]<>]*)")
+
+
+class _GemmaValues:
+    """A reader of FunctionGemma's values from ``at`` in ``text``; each method returns the value and where it
+    ends, and raises ValueError where the text is not one."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def skip(self, at: int, token: str) -> int:
+        while at < len(self.text) and self.text[at].isspace():
+            at += 1
+        if not self.text.startswith(token, at):
+            raise ValueError(f"expected {token!r} at {at}")
+        return at + len(token)
+
+    def peek(self, at: int) -> str:
+        return self.text[at:].lstrip()[:1]
+
+    def fields(self, at: int) -> tuple[dict[str, object], int]:
+        """``key:value,...}`` after an object's ``{``."""
+        fields: dict[str, object] = {}
+        while self.peek(at) != "}":
+            if fields:
+                at = self.skip(at, ",")
+            if (key := _GEMMA_KEY.match(self.text, at)) is None:
+                raise ValueError(f"expected a key at {at}")
+            fields[key.group(1)], at = self.value(key.end())
+        return fields, self.skip(at, "}")
+
+    def value(self, at: int) -> tuple[object, int]:
+        rest = self.text[at:].lstrip()
+        at = len(self.text) - len(rest)
+        if rest.startswith(GEMMA_ESCAPE):
+            end = self.text.find(GEMMA_ESCAPE, at + len(GEMMA_ESCAPE))
+            if end < 0:
+                raise ValueError("a string that does not end")
+            return self.text[at + len(GEMMA_ESCAPE) : end], end + len(GEMMA_ESCAPE)
+        if rest.startswith("{"):
+            return self.fields(at + 1)
+        if rest.startswith("["):
+            items: list[object] = []
+            at += 1
+            while self.peek(at) != "]":
+                if items:
+                    at = self.skip(at, ",")
+                item, at = self.value(at)
+                items.append(item)
+            return items, self.skip(at, "]")
+        scalar = _GEMMA_SCALAR.match(self.text, at)
+        assert scalar is not None  # the pattern matches the empty string
+        word = scalar.group(1).strip()
+        if not word:
+            raise ValueError(f"expected a value at {at}")
+        try:
+            return json.loads(word), scalar.end()  # a number, true, false or null
+        except json.JSONDecodeError:
+            return word, scalar.end()  # an unquoted word: a string
+
+
+def _functiongemma(text: str) -> list[PartialCall] | None:
+    values, calls, at = _GemmaValues(text), [], 0
+    while text[at:].strip() and not text[at:].lstrip().startswith(GEMMA_RESPONSE):
+        try:
+            at = values.skip(at, GEMMA_CALL)
+            if (name := _GEMMA_NAME.match(text, at)) is None:
+                return None
+            arguments, at = values.fields(name.end())
+            at = values.skip(at, GEMMA_CALL_END)
+        except ValueError:
+            return None
+        calls.append(PartialCall(name.group(1), json.dumps(arguments, ensure_ascii=False)))
+    return calls or None
+
+
 #: Each ``--tool-call-parser`` of this kind and its format.
 FORMATS = {
     "llama3_json": TrailingCalls(("<|python_tag|>", "{"), at_start_only=True, parse=_llama3_json),
     "mistral": TrailingCalls((MISTRAL_CALLS,), at_start_only=False, parse=_mistral),
     "pythonic": TrailingCalls(("[",), at_start_only=True, parse=_pythonic),
+    "functiongemma": TrailingCalls((GEMMA_CALL,), at_start_only=False, parse=_functiongemma),
 }
 
 
 #: What in a chat template shows each family's call format, for ``--tool-call-parser auto``: the first found
 #: names the parser.
-TEMPLATE_SIGNS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"))
+TEMPLATE_SIGNS = (
+    ("<tool_call>", "hermes"),
+    ("[TOOL_CALLS]", "mistral"),
+    ("<|python_tag|>", "llama3_json"),
+    (GEMMA_CALL, "functiongemma"),
+)
 
 
 def parser_for_template(template: str | None) -> str:

@@ -684,29 +684,40 @@ def test_peer_keys_not_honoured_are_refused_by_name_and_grammar_is_gbnf(server):
     server.assert_idle()
 
 
-def test_other_families_tool_call_parsers_read_their_format_end_to_end(start_server, model_path):
-    """Under --tool-call-parser pythonic a regex makes SmolLM2 write a Python list of calls: answered as calls,
-    streamed too; the other families' formats are tested without a server (tests/unit/test_trailing_tools.py)."""
+@pytest.mark.parametrize(
+    ("parser", "calls"),
+    [
+        ("pythonic", r'\[get_weather\(city="[A-Z][a-z]{1,15}"\)\]'),
+        ("functiongemma", r"Let me look\.<start_function_call>call:get_weather\{city:<escape>[A-Z][a-z]{1,15}"
+         r"<escape>\}<end_function_call>"),
+    ],
+)  # fmt: skip
+def test_other_families_tool_call_parsers_read_their_format_end_to_end(start_server, model_path, parser, calls):
+    """Under --tool-call-parser pythonic or functiongemma a regex makes SmolLM2 write that family's calls:
+    answered as calls (with the content before them), streamed too; the other families' formats are tested
+    without a server (tests/unit/test_trailing_tools.py)."""
     import openai
 
-    proc = start_server("--tool-call-parser", "pythonic", "--quantization", "none").wait_ready()
+    proc = start_server("--tool-call-parser", parser, "--quantization", "none").wait_ready()
     try:
         client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused")
         ask = {
             "model": client.models.list().data[0].id,
             "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
             "temperature": 0,
-            "max_tokens": 40,
+            "max_tokens": 80,  # the markers are plain text to SmolLM2: many tokens
             "tools": [WEATHER, CLOCK],
-            "extra_body": {"guided_regex": r'\[get_weather\(city="[A-Z][a-z]{1,15}"\)\]'},
+            "extra_body": {"guided_regex": calls},
         }
+        content = "Let me look." if parser == "functiongemma" else None
         answer = client.chat.completions.create(**ask).choices[0]
-        assert answer.finish_reason == "tool_calls" and answer.message.content is None
+        assert answer.finish_reason == "tool_calls" and answer.message.content == content
         [call] = answer.message.tool_calls
         assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
         chunks = list(client.chat.completions.create(stream=True, **ask))
         entries = [e for ch in chunks for e in ch.choices[0].delta.tool_calls or []]
         assert [(e.function.name, e.function.arguments) for e in entries] == [("get_weather", call.function.arguments)]
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == (content or "")
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         proc.assert_idle()
     finally:

@@ -1,5 +1,5 @@
-"""``--tool-call-parser llama3_json | mistral | pythonic`` without a server: what each family's output is
-answered with, and the same answer however it is streamed."""
+"""``--tool-call-parser llama3_json | mistral | pythonic | functiongemma`` without a server: what each family's
+output is answered with, and the same answer however it is streamed."""
 
 from __future__ import annotations
 
@@ -40,6 +40,19 @@ CASES = {
         ("[get_weather(city=os.environ)]", "[get_weather(city=os.environ)]", []),  # arguments are literals only
         ("The weather is fine.", "The weather is fine.", []),
     ],
+    "functiongemma": [
+        ("<start_function_call>call:get_weather{city:<escape>Paris<escape>}<end_function_call>", None, [PARIS]),
+        ("Checking.<start_function_call>call:get_weather{city:<escape>Paris<escape>}<end_function_call>"
+         "<start_function_call>call:clock{}<end_function_call><start_function_response>", "Checking.", [PARIS, CLOCK]),
+        ("<start_function_call>call:book{who:<escape>Ann, {Bo}<escape>, n:2, ok:true, at:{x:1.5,y:null},"
+         " tags:[<escape>a<escape>,b], room:blue}<end_function_call>", None,
+         [("book", '{"who": "Ann, {Bo}", "n": 2, "ok": true, "at": {"x": 1.5, "y": null}, "tags": ["a", "b"], '
+           '"room": "blue"}')]),
+        ("No call here: call:clock{}", "No call here: call:clock{}", []),
+        ("<start_function_call>call:clock{a:<escape>open", "<start_function_call>call:clock{a:<escape>open", []),
+        ("<start_function_call>call:clock{}<end_function_call> and then text",
+         "<start_function_call>call:clock{}<end_function_call> and then text", []),  # calls run to the end
+    ],
 }  # fmt: skip
 ALL = [(parser, *case) for parser, cases in CASES.items() for case in cases]
 
@@ -77,6 +90,8 @@ def test_streamed_in_any_pieces_the_answer_is_the_same(parser, text, content, ca
         ('{{- "<tool_call>\\n{\\"name\\": <function-name>}\\n</tool_call>" }}', "hermes"),
         ("{%- if message.tool_calls %}{{- '[TOOL_CALLS][' }}{%- endif %}", "mistral"),
         ('{%- if builtin_tools is defined %}{{- "<|python_tag|>" }}{%- endif %}', "llama3_json"),
+        ("{%- for call in message.tool_calls %}<start_function_call>call:{{ call.name }}{% endfor %}",
+         "functiongemma"),
         ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% endfor %}", "none"),
         (None, "none"),
     ],
