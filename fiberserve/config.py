@@ -122,6 +122,11 @@ class EngineConfig:
         0, "seeds the sampling seeds drawn for requests that give none (same server, same requests: same tokens)"
     )
     progress: bool = setting(True, "show progress bars while fetching and loading")
+    mlock: bool = setting(
+        False,
+        "keep the model's weights in RAM (mlock, as llama.cpp's --mlock): memory pressure pages none of them out; "
+        "a start that the locked-memory limit (ulimit -l) refuses stops, naming it",
+    )
 
 
 @dataclass

@@ -87,6 +87,7 @@ import torch
 from fiberserve import kernels
 from fiberserve.model import load_checkpoint, LlamaModel
 from fiberserve.runtime.allocator import return_freed_buffers
+from fiberserve.runtime.memory_lock import tensor_storages
 def status(key):  # this process's own figures (ru_maxrss would keep the parent's from before the exec)
     line = next(l for l in open("/proc/self/status") if l.startswith(key + ":"))
     return int(line.split()[1]) * 1024
@@ -97,18 +98,7 @@ started = time.perf_counter()
 model = LlamaModel(load_checkpoint(sys.argv[1]), torch.bfloat16, quantization="int4")
 seconds = time.perf_counter() - started
 peak = status("VmHWM")
-storages = {}
-def add(t):
-    if isinstance(t, torch.Tensor) and t.numel():
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-def walk(x, depth=0):
-    if isinstance(x, torch.Tensor):
-        add(x)
-    elif isinstance(x, (list, tuple)):
-        for y in x: walk(y, depth)
-    elif depth < 6 and hasattr(x, "__dict__"):
-        for y in vars(x).values(): walk(y, depth + 1)
-walk(model)
+storages = tensor_storages(model)
 print(json.dumps({"file_bytes": os.path.getsize(sys.argv[1]), "serving_bytes": sum(storages.values()),
                   "rss_before": before, "rss_peak": peak, "load_seconds": round(seconds, 2)}))
 """

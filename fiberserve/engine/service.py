@@ -50,6 +50,7 @@ from fiberserve.model.tokenizer import Tokenizer, load_tokenizer, read_chat_temp
 from fiberserve.runtime import FiberPool, InvocationTimeout, Isolation, Program
 from fiberserve.runtime.allocator import keep_freed_buffers, return_freed_buffers, trim_freed_memory
 from fiberserve.runtime.cpu_share import ThreadTeams
+from fiberserve.runtime.memory_lock import lock_in_memory, tensor_storages
 from fiberserve.runtime.worker import hand_over_the_gil_promptly
 
 log = logging.getLogger(__name__)
@@ -328,6 +329,9 @@ class LlmService:
             # The tokenizer and the grammar compiler's view of it are read on another core while the weights load.
             text = side.submit(_load_text_side, path, config.cache_dir, checkpoint.config)
             model = LlamaModel(checkpoint, dtype, config.device, quantization, progress=config.progress)
+            if config.mlock:
+                locked = lock_in_memory(tensor_storages(model))
+                log.info("--mlock: %.0f MiB of weights locked in memory", locked / 2**20)
             tokenizer, grammars = text.result()
             if template is not None:
                 tokenizer.use_chat_template(template)

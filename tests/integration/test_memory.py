@@ -29,3 +29,21 @@ def test_a_synthetic_model_loads_in_its_serving_weights_plus_a_little(tmp_path, 
     table = CACHED_ROWS * shape["hidden"] * 2
     assert result["serving_bytes"] <= result["file_bytes"] + table + 32 * MIB
     assert over <= result["serving_bytes"] + 400 * MIB, {k: v / MIB for k, v in result.items() if "bytes" in k}
+
+
+def test_mlock_keeps_the_served_weights_locked_in_memory(start_server, model_path):
+    """``--mlock``: the serving process's locked memory holds its weights (the embedded model's blocks, some
+    hundred MiB), and it serves as without the flag; the log names what was locked."""
+    proc = start_server("--mlock").wait_ready()
+    try:
+        status = Path(f"/proc/{proc.proc.pid}/status").read_text()
+        locked = next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmLck:"))
+        logged = proc.log_with("MiB of weights locked in memory")
+        mib = float(logged.split("--mlock: ")[1].split(" MiB")[0])
+        assert locked >= mib * MIB - MIB and mib >= 50, (locked, logged)
+        with proc.client() as c:
+            r = c.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+            assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 4
+        proc.assert_idle()
+    finally:
+        assert proc.stop() == 0
