@@ -279,6 +279,6 @@ def test_the_tool_call_parser_setting_is_checked():
     from fiberserve.config import ServerConfig
 
     assert ServerConfig(tool_call_parser="hermes").tool_call_parser == "hermes"
-    named = "none, auto, hermes, llama3_json, mistral, pythonic"
+    named = "none, auto, hermes, llama3_json, mistral, pythonic, functiongemma"
     with pytest.raises(ValueError, match=f"tool_call_parser must be one of {named}, not 'xml'"):
         ServerConfig(tool_call_parser="xml")
