@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fiberserve.engine.sequence import Sequence, TokenLogprob
+from fiberserve.engine.sequence import Sequence
+from fiberserve.engine.sequence_output import TokenLogprob
 
 
 @dataclass
@@ -67,7 +68,7 @@ class FlightItem:
         the model gives it, and otherwise the pick is a draw from the rest, so the output is unchanged."""
         kept = picks[:1]
         for drafted, pick in zip(self.draft, picks[1:], strict=True):
-            if kept[-1][0] != drafted or drafted in self.seq.stop_ids:
+            if kept[-1][0] != drafted or drafted in self.seq.sampling.stop_ids:
                 break
             kept.append(pick)
         return kept
@@ -87,7 +88,7 @@ class FlightItem:
         return (
             self.length == 1
             and self.samples
-            and self.seq.grammar is None
+            and self.seq.sampling.grammar is None
             and not params.needs_penalties
             and len(self.seq.output_ids) >= params.min_new_tokens
         )
@@ -145,7 +146,9 @@ class Flight:
         if self.halted:
             return True
         return any(
-            item.seq.abort_requested or item.seq.finishing is not None or (picks and picks[-1][0] in item.seq.stop_ids)
+            item.seq.abort_requested
+            or item.seq.finishing is not None
+            or (picks and picks[-1][0] in item.seq.sampling.stop_ids)
             for item, picks in zip(result.items, result.tokens, strict=True)
         )
 

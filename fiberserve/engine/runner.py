@@ -18,7 +18,7 @@ import torch
 from fiberserve.engine.faults import FaultInjector, FaultPoint
 from fiberserve.engine.flight import Flight, FlightItem, FlightResult
 from fiberserve.engine.sampler import race_parameters, sample, score_tokens
-from fiberserve.engine.sequence import TokenLogprob
+from fiberserve.engine.sequence_output import TokenLogprob
 from fiberserve.model.batch import ForwardBatch, KVCache, SequenceSpan
 from fiberserve.model.llama import LlamaModel
 from fiberserve.model.small_tensors import tensor_of

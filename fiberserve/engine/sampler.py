@@ -26,7 +26,8 @@ import torch
 from fiberserve import kernels
 from fiberserve.engine.sampling_noise import row_seed
 from fiberserve.engine.sampling_params import SamplingParams
-from fiberserve.engine.sequence import Sequence, TokenLogprob
+from fiberserve.engine.sequence import Sequence
+from fiberserve.engine.sequence_output import TokenLogprob
 from fiberserve.model.llama import argmax_rows
 from fiberserve.model.small_tensors import tensor_of
 
@@ -64,7 +65,7 @@ def race_parameters(seqs: Rows[Sequence], positions: Rows[int]) -> tuple[torch.T
     """Each row's race: 1 / temperature as float32 (0 for a greedy row) and the seed of its draw (int64), as
     :func:`.kernels.race_rows` and the head's kernels take them."""
     inverse = [0.0 if seq.params.greedy else 1.0 / seq.params.temperature for seq in seqs]
-    seeds = [row_seed(seq.sampling_key, position) for seq, position in zip(seqs, positions, strict=True)]
+    seeds = [row_seed(seq.sampling.key, position) for seq, position in zip(seqs, positions, strict=True)]
     return tensor_of(inverse, torch.float32), tensor_of(seeds, torch.long)
 
 
@@ -77,14 +78,14 @@ def adjust_logits(logits: torch.Tensor, seqs: Rows[Sequence]) -> torch.Tensor:
     repeated: tuple[list[int], list[int], list[float]] = ([], [], [])
     counted: tuple[list[int], list[int], list[float]] = ([], [], [])
     for row, seq in enumerate(seqs):
-        p = seq.params
+        p, state = seq.params, seq.sampling
         if not p.adjusts_logits:
             continue
-        if seq.grammar is not None:
-            seq.grammar.mask(out[row])
-        if len(seq.output_ids) < p.min_new_tokens and seq.stop_ids:
-            banned[0].extend([row] * len(seq.stop_ids))
-            banned[1].extend(seq.stop_ids)
+        if state.grammar is not None:
+            state.grammar.mask(out[row])
+        if len(seq.output_ids) < p.min_new_tokens and state.stop_ids:
+            banned[0].extend([row] * len(state.stop_ids))
+            banned[1].extend(state.stop_ids)
         if p.logit_bias:
             biased[0].extend([row] * len(p.logit_bias))
             biased[1].extend(p.logit_bias)

@@ -37,7 +37,8 @@ from collections.abc import Callable
 from fiberserve.engine.flight import Flight, FlightItem, FlightResult
 from fiberserve.engine.kvcache import PagePool
 from fiberserve.engine.multi_step import MultiStep
-from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent, Status, append_token
+from fiberserve.engine.sequence import FinishReason, Sequence, Status, append_token
+from fiberserve.engine.sequence_output import SequenceEvent
 from fiberserve.engine.speculation import Speculation
 
 
@@ -176,11 +177,11 @@ class Scheduler:
         """Put the held events on their queues, in the order recorded, and stop holding (nothing if not held)."""
         held, self._held = self._held, None
         for seq, event in held or ():
-            seq.events.put_nowait(event)
+            seq.output.events.put_nowait(event)
 
     def _emit(self, seq: Sequence, event: SequenceEvent) -> None:
         if self._held is None:
-            seq.events.put_nowait(event)
+            seq.output.events.put_nowait(event)
         else:
             self._held.append((seq, event))
 

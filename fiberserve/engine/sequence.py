@@ -1,4 +1,5 @@
-"""A sequence: one completion being generated; it owns its tokens, its pages and its outcome."""
+"""A sequence: one completion being generated; it owns its tokens, its pages and its outcome, and holds its
+sampling state (``sampling_state.py``) and what its consumer reads (``sequence_output.py``)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,13 @@ import enum
 import itertools
 import random
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from fiberserve.engine.drafting import PromptLookup
-from fiberserve.engine.grammar import GrammarState
 from fiberserve.engine.sampling_noise import sampling_key
 from fiberserve.engine.sampling_params import SamplingParams
-from fiberserve.engine.stop_regex import compile_stop_regex
+from fiberserve.engine.sampling_state import SamplingState
+from fiberserve.engine.sequence_output import EventForwarder, SequenceEvent, SequenceOutput, TokenLogprob
 from fiberserve.model.tokenizer import IncrementalDetokenizer
 
 _ids = itertools.count()
@@ -43,21 +42,6 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass
-class SequenceEvent:
-    """What a consumer sees after each step: the new text, and the outcome once finished."""
-
-    delta: str
-    finished: bool
-
-
 class Sequence:
     """One completion; the scheduler moves it, the runner computes it, the consumer reads its events."""
 
@@ -67,12 +51,13 @@ class Sequence:
         index: int,
         prompt_ids: list[int],
         params: SamplingParams,
-        detokenizer: IncrementalDetokenizer,
+        detokenizer: IncrementalDetokenizer | None,
         eos_token_ids: frozenset[int],
         max_context: int,
         seed: int | None = None,
     ) -> None:
-        """``seed``: what keys the sampling noise, with ``index`` (the request's seed, or one the engine drew for
+        """``detokenizer``: None for a sequence that generates nothing (an embedding).  ``seed``: what keys the
+        sampling noise, with ``index`` (the request's seed, or one the engine drew for
         it); None: the request's seed, or a random one."""
         self.uid = next(_ids)
         self.request_id = request_id
@@ -90,13 +75,9 @@ class Sequence:
         #: delivered) when the flight lands, since its pages may still be written until then.
         self.finishing: SequenceEvent | None = None
         self.finish_reason: FinishReason | None = None
-        self.matched_stop: str | int | None = None
         self.error: str | None = None
         #: The HTTP status an error maps to: 500, or 400 where the request's own constraint cannot be met.
         self.error_status = 500
-        self.logprobs: list[TokenLogprob] = []
-        self.grammar: GrammarState | None = None  #: set by the engine where the request constrains the output
-        self.drafter: PromptLookup | None = None  #: set by the scheduler when it first drafts for this sequence
         #: Per prompt position, the logprob of that token given the ones before (None for the first), if asked.
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             None if params.prompt_logprobs is None else [None] * len(prompt_ids)
@@ -106,39 +87,26 @@ class Sequence:
         #: An embedding's pooled final hidden states (``params.pooling``): the last prompt token's row [1, hidden],
         #: or every prompt token's [prompt, hidden], float32, written as the chunks computing them land.
         self.pooled_rows: torch.Tensor | None = None
-        self.detokenizer = detokenizer
-        self.text = ""  #: text released to the consumer
-        self.held = ""  #: text not yet released: it may be the start of a stop string
-        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
         self.max_tokens = min(params.max_new_tokens, max_context - len(prompt_ids))
         if seed is None:
             seed = params.seed if params.seed is not None else random.getrandbits(63)
-        #: Keys this sequence's sampling noise (see ``sampling_noise.uniform``).
-        self.sampling_key = sampling_key(seed, index)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
+        self.sampling = SamplingState(sampling_key(seed, index), stop_ids)
+        self.output = SequenceOutput(detokenizer)
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.preemptions = 0
-        #: Where the scheduler puts this sequence's events (``put_nowait``): its own queue, read with
-        #: ``LlmService.events``, or a consumer's shared one (:meth:`forward_events`).
-        self.events: asyncio.Queue[SequenceEvent] | EventForwarder = asyncio.Queue()
-        #: Whether a consumer reads the events (each has one), and whether it has read the last.
-        self.events_taken = self.events_read = False
 
     def take_events(self) -> None:
-        """Claim this sequence's events for one consumer; :class:`EventsTaken` if another has them."""
-        if self.events_taken:
-            raise EventsTaken(
-                f"request {self.request_id} (sequence {self.index}) already has a consumer of its events: "
-                "wait on a request or stream it, not both, and from one task"
-            )
-        self.events_taken = True
+        """Claim this sequence's events for one consumer; :class:`.EventsTaken` if another has them."""
+        self.output.take_events(f"request {self.request_id} (sequence {self.index})")
 
     def forward_events(self, sink: asyncio.Queue[tuple[Sequence, SequenceEvent]]) -> None:
         """Send this sequence's events, those queued and those to come, to ``sink`` as (sequence, event) pairs:
         one queue for every sequence a consumer reads, and no task per sequence.  Claims them (:meth:`take_events`)."""
         self.take_events()
-        queued, self.events = self.events, EventForwarder(self, sink)
+        queued, self.output.events = self.output.events, EventForwarder(self, sink)
         while isinstance(queued, asyncio.Queue) and not queued.empty():
             sink.put_nowait((self, queued.get_nowait()))
 
@@ -208,65 +176,23 @@ class Sequence:
         )
 
 
-class EventsTaken(RuntimeError):
-    """A second consumer asked for a sequence's events: each sequence has one reader (a waiter or a stream)."""
-
-
-class EventForwarder:
-    """Stands in for a sequence's event queue: each event goes to a shared queue, tagged with its sequence."""
-
-    def __init__(self, seq: Sequence, sink: asyncio.Queue[tuple[Sequence, SequenceEvent]]) -> None:
-        self.seq, self.sink = seq, sink
-
-    def put_nowait(self, event: SequenceEvent) -> None:
-        self.sink.put_nowait((self.seq, event))
-
-
-def _release_text(seq: Sequence, piece: str, final: bool) -> str:
-    """Add ``piece`` to the pending text; return what may be shown now (stop strings held back)."""
-    pending = seq.held + piece
-    start = len(seq.text)
-    full = seq.text + pending
-    stops = seq.params.stop if len(seq.output_ids) >= seq.params.min_new_tokens else []
-    if stops:
-        hits = [(full.find(s, max(0, start - len(s) + 1)), s) for s in stops]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if hits:
-            index, matched = min(hits)
-            seq.finish_reason, seq.matched_stop = FinishReason.STOP, matched
-            seq.held = ""
-            end = index + len(matched) if seq.params.include_stop_str else index
-            released = full[start:end]
-            seq.text = full[:end]
-            return released
-        if not final:
-            hold = max(len(s) for s in stops) - 1
-            cut = max(start, len(full) - hold)
-            seq.held = full[cut:]
-            seq.text = full[:cut]
-            return full[start:cut]
-    seq.held = ""
-    seq.text = full
-    return pending
-
-
 def _stop_regex_match(seq: Sequence, fresh: int) -> str | None:
     """The first ``stop_regex`` with a match ending in the text's last ``fresh`` characters (held text
     included), if any; the first check, at ``min_new_tokens``, looks at the whole text."""
     if not seq.params.stop_regex or len(seq.output_ids) < seq.params.min_new_tokens:
         return None
-    text = seq.text + seq.held
     if len(seq.output_ids) == seq.params.min_new_tokens:
-        fresh = len(text)
-    return next((p for p in seq.params.stop_regex if compile_stop_regex(p).search_tail(text, fresh)), None)
+        fresh = len(seq.output.text) + len(seq.output.held)
+    return seq.output.regex_match(seq.params.stop_regex, fresh)
 
 
 def _refusal(seq: Sequence, token: int) -> str:
     """Why the grammar refused ``token``: at a dead end (no token may follow the output so far, the stop tokens
     banned below ``min_new_tokens``) the request's constraint cannot be met, a client's error (status 400)."""
-    assert seq.grammar is not None and seq.params.grammar is not None
-    banned = seq.stop_ids if len(seq.output_ids) - 1 < seq.params.min_new_tokens else frozenset()
-    if seq.grammar.allows_a_token(banned):
+    grammar = seq.sampling.grammar
+    assert grammar is not None and seq.params.grammar is not None
+    banned = seq.sampling.stop_ids if len(seq.output_ids) - 1 < seq.params.min_new_tokens else frozenset()
+    if grammar.allows_a_token(banned):
         return f"the grammar refused token {token}"
     seq.error_status = 400
     field, wanted = seq.params.grammar.field, seq.params.min_new_tokens
@@ -292,28 +218,34 @@ def append_token(seq: Sequence, token: int, info: TokenLogprob | None) -> Sequen
     is kept (as SGLang does), also only from ``min_new_tokens`` on; reaching
     ``max_new_tokens`` (or the context length) ends with ``length``.
     """
+    output, grammar, params = seq.output, seq.sampling.grammar, seq.params
     seq.output_ids.append(token)
     if info is not None:
-        seq.logprobs.append(info)
+        output.logprobs.append(info)
     if seq.first_token_time is None:
         seq.first_token_time = time.monotonic()
-    if seq.grammar is not None and not seq.grammar.accept(token):
+    if grammar is not None and not grammar.accept(token):
         seq.finish_reason, seq.error = FinishReason.ERROR, _refusal(seq, token)
         return SequenceEvent("", True)
-    if token in seq.stop_ids:
-        seq.finish_reason, seq.matched_stop = FinishReason.STOP, token
+    if token in seq.sampling.stop_ids:
+        seq.finish_reason, output.matched_stop = FinishReason.STOP, token
         piece = ""
     else:
-        piece = seq.detokenizer.push(token)
-        if seq.grammar is not None and seq.grammar.complete:  # no stop token to wait for (ignore_eos)
+        assert output.detokenizer is not None, "a sequence that generates has a detokenizer"
+        piece = output.detokenizer.push(token)
+        if grammar is not None and grammar.complete:  # no stop token to wait for (ignore_eos)
             seq.finish_reason = FinishReason.STOP
     if seq.finish_reason is None and len(seq.output_ids) >= seq.max_tokens:
         seq.finish_reason = FinishReason.LENGTH
     final = seq.finish_reason is not None
     if final and seq.finish_reason is FinishReason.LENGTH:
-        piece += seq.detokenizer.flush()
-    delta = _release_text(seq, piece, final)
+        assert output.detokenizer is not None
+        piece += output.detokenizer.flush()
+    stops = params.stop if len(seq.output_ids) >= params.min_new_tokens else []
+    delta, matched = output.release(piece, final, stops, params.include_stop_str)
+    if matched is not None:
+        seq.finish_reason, output.matched_stop = FinishReason.STOP, matched
     if seq.finish_reason is None and (pattern := _stop_regex_match(seq, len(piece))) is not None:
-        seq.finish_reason, seq.matched_stop = FinishReason.STOP, pattern
-        delta, seq.text, seq.held = delta + seq.held, seq.text + seq.held, ""
+        seq.finish_reason, output.matched_stop = FinishReason.STOP, pattern
+        delta += output.release_held()
     return SequenceEvent(delta, seq.finish_reason is not None)

@@ -39,7 +39,8 @@ from fiberserve.engine.kvcache import PagePool
 from fiberserve.engine.runner import ModelRunner
 from fiberserve.engine.sampling_params import InvalidParameter, SamplingParams
 from fiberserve.engine.scheduler import Scheduler
-from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent, TokenLogprob, tokens
+from fiberserve.engine.sequence import FinishReason, Sequence, tokens
+from fiberserve.engine.sequence_output import SequenceEvent, TokenLogprob
 from fiberserve.model.assets import DEFAULT_MODEL_NAME, default_model_path
 from fiberserve.model.batch import KVCache
 from fiberserve.model.block_formats import NATIVE_BITS
@@ -156,16 +157,17 @@ def _check_satisfiable(seq: Sequence, params: SamplingParams) -> None:
     allows no first token, or only a stop token while ``min_new_tokens`` bans it, or that takes only the empty
     output while ``min_new_tokens`` asks for more.  (A dead end further on ends the sequence: see
     :func:`.sequence.append_token`.)"""
-    assert seq.grammar is not None and params.grammar is not None
+    grammar = seq.sampling.grammar
+    assert grammar is not None and params.grammar is not None
     field, wanted = params.grammar.field, params.min_new_tokens
     only_empty = f"it takes only the empty output, but min_tokens asks for {tokens(wanted)}"
-    if seq.grammar.complete:
+    if grammar.complete:
         if wanted > 0:
             raise InvalidParameter(field, only_empty)
         return
-    if not seq.grammar.allows_a_token():
+    if not grammar.allows_a_token():
         raise InvalidParameter(field, "no output satisfies it: the grammar allows no first token")
-    if wanted > 0 and not seq.grammar.allows_a_token(seq.stop_ids):
+    if wanted > 0 and not grammar.allows_a_token(seq.sampling.stop_ids):
         raise InvalidParameter(field, only_empty)
 
 
@@ -217,11 +219,11 @@ class Request:
 def completion_of(seq: Sequence) -> CompletionOutput:
     return CompletionOutput(
         seq.index,
-        seq.text,
+        seq.output.text,
         list(seq.output_ids),
         seq.finish_reason,
-        seq.matched_stop,
-        seq.logprobs,
+        seq.output.matched_stop,
+        seq.output.logprobs,
         seq.error,
         seq.prompt_logprobs,
     )
@@ -527,7 +529,7 @@ class LlmService:
         ]
         if grammar is not None:
             for seq in seqs:
-                seq.grammar = GrammarState(grammar, seq.stop_ids)
+                seq.sampling.grammar = GrammarState(grammar, seq.sampling.stop_ids)
             _check_satisfiable(seqs[0], params)
         for seq in seqs[1:]:
             seq.share_prompt_scores(seqs[0])
@@ -535,7 +537,7 @@ class LlmService:
             computes = params.pooling is not None or (seq.scores_prompt and len(prompt_ids) > 1)
             if seq.max_tokens <= 0 and not computes:  # nothing to compute: "length" at once
                 self.scheduler.finish(seq, FinishReason.LENGTH)
-            elif seq.grammar is not None and seq.grammar.complete:  # the grammar takes only the empty output
+            elif (grammar := seq.sampling.grammar) is not None and grammar.complete:  # it takes only the empty output
                 self.scheduler.finish(seq, FinishReason.STOP)
             else:
                 self.scheduler.add(seq)
@@ -552,11 +554,11 @@ class LlmService:
         """The sequence's events up to and including the finished one, for its one consumer: :class:`.EventsTaken`
         if another reads them (a waiter, or a stream's merged queue)."""
         seq.take_events()
-        queue = seq.events
+        queue = seq.output.events
         assert isinstance(queue, asyncio.Queue), "an unclaimed sequence's events are its own queue"
         while True:
             event = await queue.get()
-            seq.events_read = event.finished
+            seq.output.events_read = event.finished
             yield event
             if event.finished:
                 return
@@ -567,7 +569,7 @@ class LlmService:
         :class:`.EventsTaken`."""
         try:
             for seq in request.seqs:
-                if seq.events_read:
+                if seq.output.events_read:
                     continue
                 async for _ in self.events(seq):
                     pass

@@ -141,7 +141,7 @@ class Speculation:
             seq = item.seq
             room = min(self.limit, seq.max_tokens - len(seq.output_ids) - 1)
             proposals.append(self._propose(item, room) if item.decodes_freely else [])
-            acceptance.append(seq.drafter.acceptance if seq.drafter else 0.0)
+            acceptance.append(seq.sampling.drafter.acceptance if seq.sampling.drafter else 0.0)
         candidates = sorted(
             (-(acceptance[index] ** (i + 1)), i, index)
             for index, draft in enumerate(proposals)
@@ -163,7 +163,7 @@ class Speculation:
     def _propose(self, item: FlightItem, k: int) -> list[int]:
         """The item's sequence's draft of up to ``k`` tokens (its lookup index is made on first use)."""
         seq = item.seq
-        drafter = seq.drafter = seq.drafter or PromptLookup(self.limit)
+        drafter = seq.sampling.drafter = seq.sampling.drafter or PromptLookup(self.limit)
         return drafter.propose(seq, k)
 
     def observe_step(self, result: FlightResult) -> None:

@@ -148,7 +148,9 @@ async def _stream(state: ServerState, http: Request, request: EngineRequest, ren
             if choice is not None:
                 events += blocks.of(choice["delta"])
             if event.finished:
-                stop_reason, stop_sequence = _stop(choice["finish_reason"] if choice else finish, seq.matched_stop)
+                stop_reason, stop_sequence = _stop(
+                    choice["finish_reason"] if choice else finish, seq.output.matched_stop
+                )
                 delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
                 usage = {"output_tokens": len(seq.output_ids)}
                 events += [*blocks.stop(), _event("message_delta", {"delta": delta, "usage": usage})]

@@ -17,7 +17,8 @@ from fiberserve import __version__
 from fiberserve.engine import InvalidParameter
 from fiberserve.engine import Request as EngineRequest
 from fiberserve.engine.faults import FaultPoint
-from fiberserve.engine.sequence import FinishReason, Sequence, TokenLogprob
+from fiberserve.engine.sequence import FinishReason, Sequence
+from fiberserve.engine.sequence_output import TokenLogprob
 from fiberserve.engine.service import CompletionOutput, completion_of
 from fiberserve.model.tokenizer import Tokenizer
 from fiberserve.runtime.allocator import heap_figures

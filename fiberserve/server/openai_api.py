@@ -16,7 +16,8 @@ from fiberserve.engine import InvalidParameter
 from fiberserve.engine import Request as EngineRequest
 from fiberserve.engine.grammar import GrammarSpec
 from fiberserve.engine.sampling_params import SamplingParams
-from fiberserve.engine.sequence import FinishReason, TokenLogprob
+from fiberserve.engine.sequence import FinishReason
+from fiberserve.engine.sequence_output import TokenLogprob
 from fiberserve.engine.service import CompletionOutput, RequestOutput
 from fiberserve.server.errors import ApiError, failure_body, from_engine
 from fiberserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -193,8 +194,8 @@ class _Completions:
                 if choice is None:
                     continue  # text held back (a stop string may be starting): its tokens' logprobs come later
                 if self.logprobs:
-                    choice["logprobs"] = self.delta_logprobs(state, seq.logprobs[sent[seq.uid] :])
-                    sent[seq.uid] = len(seq.logprobs)
+                    choice["logprobs"] = self.delta_logprobs(state, seq.output.logprobs[sent[seq.uid] :])
+                    sent[seq.uid] = len(seq.output.logprobs)
                 events.append(f"data: {head}{json.dumps(choice)}{tail}")
             if events:
                 yield "".join(events)

@@ -13,7 +13,8 @@ from fastapi import Request as HttpRequest
 
 from fiberserve.config import ServerConfig
 from fiberserve.engine import InvalidParameter, LlmService, Request, RequestOutput, SamplingParams
-from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent
+from fiberserve.engine.sequence import FinishReason, Sequence
+from fiberserve.engine.sequence_output import SequenceEvent
 from fiberserve.server.errors import ApiError, failure, from_engine
 from fiberserve.server.metrics import Metrics
 from fiberserve.server.protocol import ChatMessage, chat_messages

@@ -175,7 +175,7 @@ def reference_adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
     p = seq.params
     row = row.clone()
     if len(seq.output_ids) < p.min_new_tokens:
-        row[sorted(seq.stop_ids)] = float("-inf")
+        row[sorted(seq.sampling.stop_ids)] = float("-inf")
     for token, bias in p.logit_bias.items():
         row[token] += bias
     if p.repetition_penalty != 1.0:

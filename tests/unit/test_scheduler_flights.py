@@ -73,7 +73,7 @@ def test_steps_land_in_order_a_new_arrival_halts_the_flight_and_a_stop_waits_for
     assert flight.halted
     items = [item.next_step(token) for item, token in zip(items, (ord("y"), ord("q")), strict=True)]
     scheduler.on_flight_done(flight, result(items, ord("z"), ord("r")))
-    assert a.finished and a.text == "!" and a.output_ids == [ord(c) for c in "!xy"]
+    assert a.finished and a.output.text == "!" and a.output_ids == [ord(c) for c in "!xy"]
     assert b.output_ids == [ord(c) for c in "!pqr"] and b.num_computed == b.num_tokens - 1
     assert not scheduler.multi_step.in_air and not b.in_flight  # a's token after its stop was dropped
     scheduler.check_integrity()
@@ -109,7 +109,7 @@ def test_a_greedy_decode_carries_a_draft_and_keeps_what_the_model_agrees_with():
     kept = item.accept([(ord(c), None) for c in "bcxyz"])
     assert [t for t, _ in kept] == [ord(c) for c in "bcx"]
     scheduler.on_flight_done(flight, FlightResult([kept], [[]], flight.items))
-    assert seq.output_ids == [ord(c) for c in "abcx"] and seq.text == "abcx"
+    assert seq.output_ids == [ord(c) for c in "abcx"] and seq.output.text == "abcx"
     assert seq.num_computed == seq.num_tokens - 1  # the K/V of "x"'s row were computed from a rejected draft
     assert (scheduler.speculation.draft_tokens, scheduler.speculation.accepted_tokens) == (4, 2)
     scheduler.check_integrity()
@@ -122,13 +122,13 @@ def test_draft_tokens_are_taken_while_they_raise_the_expected_tokens_per_second(
     for rows in (1, 40):
         scheduler.speculation.pass_times[1].observe(rows, 0.010 + 0.005 * rows)
     flight = scheduler.next_flight()
-    assert seq.drafter.acceptance == 0.5  # nothing checked yet: an even guess
+    assert seq.sampling.drafter.acceptance == 0.5  # nothing checked yet: an even guess
     assert flight.items[0].draft == (ord("b"),)  # (1 + .5) / 20 ms beats 1 / 15 ms and (1 + .5 + .25) / 25 ms
     land(scheduler, flight, [ord("b")])  # only the token the draft was checked against
     # each flight checks the last proposal against what came: after a run of right guesses, drafts get longer
     for token in "cabcabca":
         land(scheduler, scheduler.next_flight(), [ord(token)])
-    assert seq.drafter.acceptance > 0.9
+    assert seq.sampling.drafter.acceptance > 0.9
     assert len(scheduler.next_flight().items[0].draft) == 4  # speculative_tokens
     # the passes that land teach the scheduler their time: rows now look free up to 64 (flat beyond what it saw)
     scheduler, seq = drafting(prompt="abcabcabcabc", params=SamplingParams(max_new_tokens=40, temperature=0))
@@ -269,24 +269,24 @@ def test_held_events_reach_their_queues_at_the_release_in_the_order_recorded():
     a, b = sequence(), sequence(prompt="other")
     decoding(scheduler, a, b)
     for seq in (a, b):
-        assert seq.events.get_nowait().delta == "!"
+        assert seq.output.events.get_nowait().delta == "!"
     flight = scheduler.next_flight()
     scheduler.hold_events()
     land(scheduler, flight, [ord("x"), ord("y")])
     scheduler.hold_events()
     scheduler.abort(b)
-    assert scheduler.events_are_held and a.events.empty() and b.events.empty()
+    assert scheduler.events_are_held and a.output.events.empty() and b.output.events.empty()
     scheduler.release_events()
     assert not scheduler.events_are_held
     assert [(e.delta, e.finished) for e in drain(a)] == [("x", False)]
     assert [(e.delta, e.finished) for e in drain(b)] == [("y", False), ("", True)]
     scheduler.release_events()  # nothing held: nothing happens
-    assert a.events.empty() and b.events.empty()
+    assert a.output.events.empty() and b.output.events.empty()
     scheduler.check_integrity()
 
 
 def drain(seq) -> list:
     events = []
-    while not seq.events.empty():
-        events.append(seq.events.get_nowait())
+    while not seq.output.events.empty():
+        events.append(seq.output.events.get_nowait())
     return events

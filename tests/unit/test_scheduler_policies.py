@@ -8,14 +8,15 @@ import pytest
 from fiberserve.engine.kvcache import PagePool
 from fiberserve.engine.sampling_params import SamplingParams
 from fiberserve.engine.scheduler import Scheduler
-from fiberserve.engine.sequence import FinishReason, Sequence, SequenceEvent, Status
+from fiberserve.engine.sequence import FinishReason, Sequence, Status
+from fiberserve.engine.sequence_output import SequenceEvent
 from tests.unit.scheduling import EOS, decoding, land, sequence
 
 
 def final_events(seq: Sequence) -> list[SequenceEvent]:
     events = []
-    while not seq.events.empty():
-        events.append(seq.events.get_nowait())
+    while not seq.output.events.empty():
+        events.append(seq.output.events.get_nowait())
     return [e for e in events if e.finished]
 
 

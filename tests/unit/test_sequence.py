@@ -34,31 +34,31 @@ def feed(seq: Sequence, text: str) -> list[str]:
 def test_stop_string_spanning_tokens_is_cut_and_never_streamed():
     seq = make(SamplingParams(max_new_tokens=50, stop=["END"]))
     deltas = feed(seq, "hello ENDgame")
-    assert seq.finish_reason is FinishReason.STOP and seq.matched_stop == "END"
-    assert seq.text == "hello " and "".join(deltas) == "hello "
+    assert seq.finish_reason is FinishReason.STOP and seq.output.matched_stop == "END"
+    assert seq.output.text == "hello " and "".join(deltas) == "hello "
     assert all("E" not in d for d in deltas)  # the stop text was held back, never shown
 
 
 def test_stop_string_kept_when_asked_and_ignored_below_the_minimum_length():
     seq = make(SamplingParams(max_new_tokens=50, stop=["END"], include_stop_str=True))
     deltas = feed(seq, "hello ENDgame")
-    assert seq.finish_reason is FinishReason.STOP and seq.text == "".join(deltas) == "hello END"
+    assert seq.finish_reason is FinishReason.STOP and seq.output.text == "".join(deltas) == "hello END"
     seq = make(SamplingParams(max_new_tokens=50, stop=["END"], min_new_tokens=5))
     deltas = feed(seq, "ENDhello ENDgame")  # the first END completes at 3 tokens, below the minimum
-    assert seq.finish_reason is FinishReason.STOP and seq.text == "".join(deltas) == "ENDhello "
+    assert seq.finish_reason is FinishReason.STOP and seq.output.text == "".join(deltas) == "ENDhello "
 
 
 def test_held_back_text_is_released_when_it_is_not_a_stop():
     seq = make(SamplingParams(max_new_tokens=8, stop=["xyz"]))
     deltas = feed(seq, "abcxyabc")
     assert seq.finish_reason is FinishReason.LENGTH
-    assert "".join(deltas) == seq.text == "abcxyabc"
+    assert "".join(deltas) == seq.output.text == "abcxyabc"
 
 
 def test_stop_token_contributes_no_text_and_eos_can_be_ignored():
     seq = make(SamplingParams(max_new_tokens=10))
     feed(seq, "ab\x03cd")
-    assert (seq.text, seq.finish_reason, seq.matched_stop) == ("ab", FinishReason.STOP, 3)
+    assert (seq.output.text, seq.finish_reason, seq.output.matched_stop) == ("ab", FinishReason.STOP, 3)
     seq = make(SamplingParams(max_new_tokens=4, ignore_eos=True))
     feed(seq, "ab\x03cd")
     assert seq.finish_reason is FinishReason.LENGTH and len(seq.output_ids) == 4
@@ -67,11 +67,11 @@ def test_stop_token_contributes_no_text_and_eos_can_be_ignored():
 def test_stop_regex_ends_the_output_with_its_match_kept_and_waits_for_min_tokens():
     seq = make(SamplingParams(max_new_tokens=50, stop=["END"], stop_regex=[r"[0-9]{2}"]))
     deltas = feed(seq, "ab1c23de")
-    assert (seq.text, seq.finish_reason, seq.matched_stop) == ("ab1c23", FinishReason.STOP, r"[0-9]{2}")
+    assert (seq.output.text, seq.finish_reason, seq.output.matched_stop) == ("ab1c23", FinishReason.STOP, r"[0-9]{2}")
     assert "".join(deltas) == "ab1c23"  # held text (a possible "END") released with the match
     seq = make(SamplingParams(max_new_tokens=50, min_new_tokens=5, stop_regex=["x"]))
     feed(seq, "axbcdxyz")
-    assert (seq.text, seq.finish_reason) == ("axbcd", FinishReason.STOP)  # a match counts from the 5th token on
+    assert (seq.output.text, seq.finish_reason) == ("axbcd", FinishReason.STOP)  # a match counts from the 5th token on
 
 
 def test_token_slice_equals_slicing_all_tokens():

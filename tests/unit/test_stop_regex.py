@@ -93,7 +93,7 @@ def test_a_sequence_checks_only_what_each_token_adds_after_the_whole_text_at_min
     seq = Sequence("r", 0, [98], params, IncrementalDetokenizer(tok, [98]), frozenset({3}), 1000)
     for i in range(300):  # "aaa" at the start: no check before 300 tokens, then the whole text
         event = append_token(seq, ord("a") if i < 3 else ord("z"), None)
-    assert event.finished and seq.finish_reason is FinishReason.STOP and seq.matched_stop == r"^a{3}"
+    assert event.finished and seq.finish_reason is FinishReason.STOP and seq.output.matched_stop == r"^a{3}"
     seq = Sequence(
         "r",
         0,
