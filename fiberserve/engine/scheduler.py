@@ -224,10 +224,10 @@ class Scheduler:
             if rows is not None:
                 seq.keep_pooled(item.pooled_positions, rows)
             if (
-                scored and seq.prompt_logprobs is not None
+                scored and seq.output.prompt_logprobs is not None
             ):  # a recompute after preemption scores the same positions again, to the same values
                 first = item.scored_prompt.start + 1
-                seq.prompt_logprobs[first : first + len(scored)] = scored
+                seq.output.prompt_logprobs[first : first + len(scored)] = scored
             kept = 0
             for pick in picks if not seq.abort_requested else ():
                 kept += 1
@@ -284,7 +284,7 @@ class Scheduler:
         seq.pages = []
         seq.status = Status.FINISHED
         seq.finish_reason = reason
-        seq.finish_time = time.monotonic()
+        seq.output.finish_time = time.monotonic()
         self._emit(seq, event or SequenceEvent("", True))
         for listener in self.finish_listeners:
             listener(seq)

@@ -78,24 +78,15 @@ class Sequence:
         self.error: str | None = None
         #: The HTTP status an error maps to: 500, or 400 where the request's own constraint cannot be met.
         self.error_status = 500
-        #: Per prompt position, the logprob of that token given the ones before (None for the first), if asked.
-        self.prompt_logprobs: list[TokenLogprob | None] | None = (
-            None if params.prompt_logprobs is None else [None] * len(prompt_ids)
-        )
-        #: Whether this sequence's prompt rows compute ``prompt_logprobs`` (see :meth:`share_prompt_scores`).
-        self.scores_prompt = self.prompt_logprobs is not None
-        #: An embedding's pooled final hidden states (``params.pooling``): the last prompt token's row [1, hidden],
-        #: or every prompt token's [prompt, hidden], float32, written as the chunks computing them land.
-        self.pooled_rows: torch.Tensor | None = None
+        #: Whether this sequence's prompt rows compute ``output.prompt_logprobs`` (see :meth:`share_prompt_scores`).
+        self.scores_prompt = params.prompt_logprobs is not None
         self.max_tokens = min(params.max_new_tokens, max_context - len(prompt_ids))
         if seed is None:
             seed = params.seed if params.seed is not None else random.getrandbits(63)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
         self.sampling = SamplingState(sampling_key(seed, index), stop_ids)
-        self.output = SequenceOutput(detokenizer)
+        self.output = SequenceOutput(detokenizer, len(prompt_ids) if self.scores_prompt else None)
         self.arrival = time.monotonic()
-        self.first_token_time: float | None = None
-        self.finish_time: float | None = None
         self.preemptions = 0
 
     def take_events(self) -> None:
@@ -114,7 +105,7 @@ class Sequence:
         """Take ``scorer``'s prompt logprobs (the same list, filled as it computes them) instead of computing
         them again: a request's n sequences share one prompt, so one of them scores it.  This one's prompt may
         then come from the prefix cache."""
-        self.prompt_logprobs, self.scores_prompt = scorer.prompt_logprobs, False
+        self.output.prompt_logprobs, self.scores_prompt = scorer.output.prompt_logprobs, False
 
     @property
     def computes_whole_prompt(self) -> bool:
@@ -132,19 +123,9 @@ class Sequence:
         return range(0)
 
     def keep_pooled(self, positions: range, rows: torch.Tensor) -> None:
-        """Store the final hidden states ``rows`` of ``positions`` (:meth:`pooled_positions`); a recompute after a
-        preemption writes the same rows again."""
-        if self.pooled_rows is None:
-            count = 1 if self.params.pooling == "last" else len(self.prompt_ids)
-            self.pooled_rows = torch.empty(count, rows.shape[1], dtype=torch.float32)
-        first = 0 if self.params.pooling == "last" else positions.start
-        self.pooled_rows[first : first + len(positions)] = rows
-
-    def pooled(self) -> torch.Tensor:
-        """The embedding, once the prompt is computed: the pooled rows' mean (the last row alone for ``last``),
-        float32 [hidden], not normalized; its bits do not depend on how the prompt was split into chunks."""
-        assert self.pooled_rows is not None, "pooled once the prompt is computed"
-        return self.pooled_rows.mean(dim=0)
+        """Store the final hidden states ``rows`` of ``positions`` (:meth:`pooled_positions`) in the output."""
+        last = self.params.pooling == "last"
+        self.output.keep_pooled(0 if last else positions.start, rows, 1 if last else len(self.prompt_ids))
 
     @property
     def tokens(self) -> list[int]:
@@ -222,8 +203,8 @@ def append_token(seq: Sequence, token: int, info: TokenLogprob | None) -> Sequen
     seq.output_ids.append(token)
     if info is not None:
         output.logprobs.append(info)
-    if seq.first_token_time is None:
-        seq.first_token_time = time.monotonic()
+    if output.first_token_time is None:
+        output.first_token_time = time.monotonic()
     if grammar is not None and not grammar.accept(token):
         seq.finish_reason, seq.error = FinishReason.ERROR, _refusal(seq, token)
         return SequenceEvent("", True)

@@ -1,11 +1,14 @@
 """What a sequence's consumer sees: the text released so far (a possible stop string held back), the sampled
-tokens' logprobs, what stopped it, and the queue of its events, read by one consumer."""
+tokens' logprobs, what stopped it, the queue of its events, read by one consumer, and what its prompt gave (its
+tokens' logprobs, an embedding's pooled rows)."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import torch
 
 from fiberserve.engine.stop_regex import compile_stop_regex
 from fiberserve.model.tokenizer import IncrementalDetokenizer
@@ -47,7 +50,8 @@ class SequenceOutput:
     """A sequence's text, logprobs and events.  ``text`` is what was released to the consumer; ``held`` what is
     not yet released because it may begin a stop string."""
 
-    def __init__(self, detokenizer: IncrementalDetokenizer | None) -> None:
+    def __init__(self, detokenizer: IncrementalDetokenizer | None, scored_prompt: int | None = None) -> None:
+        """``scored_prompt``: the prompt's length where its tokens' logprobs are asked for, else None."""
         self.detokenizer = detokenizer
         self.text = ""
         self.held = ""
@@ -59,6 +63,28 @@ class SequenceOutput:
         self.events: asyncio.Queue[SequenceEvent] | EventForwarder = asyncio.Queue()
         #: Whether a consumer reads the events (each has one), and whether it has read the last.
         self.events_taken = self.events_read = False
+        #: Per prompt position, the logprob of that token given the ones before (None for the first), if asked.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            None if scored_prompt is None else [None] * scored_prompt
+        )
+        #: An embedding's pooled final hidden states: the last prompt token's row [1, hidden], or every prompt
+        #: token's [prompt, hidden], float32, written as the chunks computing them land.
+        self.pooled_rows: torch.Tensor | None = None
+        self.first_token_time: float | None = None  #: ``time.monotonic()`` as the first token landed
+        self.finish_time: float | None = None  #: and as the sequence finished
+
+    def keep_pooled(self, first: int, rows: torch.Tensor, count: int) -> None:
+        """Store the final hidden states ``rows`` as pooled rows ``first:`` of ``count`` (a recompute after a
+        preemption writes the same rows again)."""
+        if self.pooled_rows is None:
+            self.pooled_rows = torch.empty(count, rows.shape[1], dtype=torch.float32)
+        self.pooled_rows[first : first + len(rows)] = rows
+
+    def pooled(self) -> torch.Tensor:
+        """The embedding, once the prompt is computed: the pooled rows' mean (the last row alone for ``last``),
+        float32 [hidden], not normalized; its bits do not depend on how the prompt was split into chunks."""
+        assert self.pooled_rows is not None, "pooled once the prompt is computed"
+        return self.pooled_rows.mean(dim=0)
 
     def take_events(self, owner: str) -> None:
         """Claim the events for one consumer; :class:`EventsTaken` (naming ``owner``) if another has them."""

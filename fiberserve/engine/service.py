@@ -225,7 +225,7 @@ def completion_of(seq: Sequence) -> CompletionOutput:
         seq.output.matched_stop,
         seq.output.logprobs,
         seq.error,
-        seq.prompt_logprobs,
+        seq.output.prompt_logprobs,
     )
 
 
@@ -590,7 +590,7 @@ class LlmService:
         seq = request.seqs[0]
         if seq.finish_reason is not FinishReason.STOP:
             raise RequestFailed(request.id, seq)
-        return seq.pooled()
+        return seq.output.pooled()
 
     async def flush_cache(self) -> int:
         return self.pages.flush()

@@ -45,7 +45,7 @@ async def _pool(http: Request, state: ServerState, prompts: list[list[int]], poo
     requests = state.submit(http, prompts, SamplingParams(max_new_tokens=0, pooling=pooling), None, _RENAME)
     if await state.collect(http, requests) is None:
         return None
-    return [r.seqs[0].pooled() for r in requests]
+    return [r.seqs[0].output.pooled() for r in requests]
 
 
 @router.post("/v1/embeddings")

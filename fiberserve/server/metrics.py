@@ -42,12 +42,12 @@ class Metrics:
     def observe_sequence(self, seq: Sequence) -> None:
         self.generation_tokens.inc(len(seq.output_ids))
         self.finished.labels(seq.finish_reason.value if seq.finish_reason else "unknown").inc()
-        if seq.first_token_time is not None:
-            self.ttft.observe(seq.first_token_time - seq.arrival)
-            if seq.finish_time and len(seq.output_ids) > 1:
-                self.tpot.observe((seq.finish_time - seq.first_token_time) / (len(seq.output_ids) - 1))
-        if seq.finish_time:
-            self.e2e.observe(seq.finish_time - seq.arrival)
+        if seq.output.first_token_time is not None:
+            self.ttft.observe(seq.output.first_token_time - seq.arrival)
+            if seq.output.finish_time and len(seq.output_ids) > 1:
+                self.tpot.observe((seq.output.finish_time - seq.output.first_token_time) / (len(seq.output_ids) - 1))
+        if seq.output.finish_time:
+            self.e2e.observe(seq.output.finish_time - seq.arrival)
 
 
 class _EngineCollector:
