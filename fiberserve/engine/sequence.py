@@ -57,8 +57,8 @@ class Sequence:
         seed: int | None = None,
     ) -> None:
         """``detokenizer``: None for a sequence that generates nothing (an embedding).  ``seed``: what keys the
-        sampling noise, with ``index`` (the request's seed, or one the engine drew for
-        it); None: the request's seed, or a random one."""
+        sampling noise, with ``index`` (the request's seed, or one the engine drew for it); None: the request's
+        seed, or a random one."""
         self.uid = next(_ids)
         self.request_id = request_id
         self.index = index  #: which of the request's n completions
