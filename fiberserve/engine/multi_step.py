@@ -8,8 +8,13 @@ the flights in the air after their current step, so admission waits at most one 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fiberserve.engine.flight import Flight, FlightItem
-from fiberserve.engine.kvcache import PagePool
+from fiberserve.engine.sequence import Sequence
+
+#: ``Scheduler.reserve`` without preemption: (sequence, start, end) -> tokens from start its pages cover.
+Reserve = Callable[[Sequence, int, int], int]
 
 #: Multi-step flights carry at most this many sequences.  Their steps land on the event loop while the next
 #: computes, so on a CPU whose cores all run the fiber's threads the loop's work competes with them: a few
@@ -20,9 +25,9 @@ MULTI_STEP_MAX_SEQUENCES = 4
 class MultiStep:
     """How many steps each flight may run, and the multi-step flights in the air."""
 
-    def __init__(self, decode_steps: int, pages: PagePool) -> None:
+    def __init__(self, decode_steps: int, reserve: Reserve) -> None:
         self.decode_steps = decode_steps
-        self.pages = pages
+        self.reserve = reserve
         self.in_air: list[Flight] = []
 
     def steps(self, items: list[FlightItem], anyone_waiting: bool) -> int:
@@ -33,8 +38,8 @@ class MultiStep:
             return 1
         steps = min(self.decode_steps, *(item.seq.max_tokens - len(item.seq.output_ids) for item in items))
         for item in items:
-            if steps > 1 and not self.pages.grow(item.seq.pages, item.start + steps):
-                steps = self.pages.covered(item.seq.pages, item.start)
+            if steps > 1:
+                steps = self.reserve(item.seq, item.start, item.start + steps)
         for item in items:
             item.pages = tuple(item.seq.pages)
         return max(1, steps)

@@ -57,7 +57,7 @@ class Scheduler:
         self.pages = pages
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
-        self.multi_step = MultiStep(decode_steps, pages)
+        self.multi_step = MultiStep(decode_steps, self.reserve)
         self.speculation = Speculation(speculative_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  #: admitted: holding pages, in the air or not
@@ -105,7 +105,7 @@ class Scheduler:
             return None
         flight = Flight(items)
         self.speculation.board(flight)
-        if not (flight.may_draft and self.speculation.assign(items, budget, self.pages)):
+        if not (flight.may_draft and self.speculation.assign(items, budget, self.reserve)):
             flight.steps = self.multi_step.steps(items, anyone_waiting=bool(self.waiting))
         self.multi_step.took_off(flight)
         return flight
@@ -128,22 +128,23 @@ class Scheduler:
 
     def _board(self, seq: Sequence, budget: int, items: list[FlightItem], may_preempt: bool) -> int:
         """Reserve pages for ``seq``'s next chunk and add it to ``items``; returns tokens used."""
-        length = min(seq.num_tokens - seq.num_computed, budget)
-        while length > 0 and not self._reserve(seq, seq.num_computed + length, may_preempt):
-            # Not enough pages for the whole chunk: try what the held pages already cover.
-            length = min(length - 1, self.pages.covered(seq.pages, seq.num_computed))
+        wanted = min(seq.num_tokens - seq.num_computed, budget)
+        length = self.reserve(seq, seq.num_computed, seq.num_computed + wanted, may_preempt)
         if length <= 0:
             return 0
         seq.status = Status.IN_FLIGHT
         items.append(FlightItem(seq, seq.num_computed, length, tuple(seq.pages)))
         return length
 
-    def _reserve(self, seq: Sequence, upto: int, may_preempt: bool) -> bool:
-        """Pages for ``seq``'s first ``upto`` tokens, preempting others for them if ``may_preempt`` (policy 3)."""
-        while not self.pages.grow(seq.pages, upto):
+    def reserve(self, seq: Sequence, start: int, end: int, may_preempt: bool = False) -> int:
+        """The one place pages are reserved: ``seq``'s pages grown to cover its tokens up to ``end``, preempting
+        others for them if ``may_preempt`` (policy 3); where too few are free, none are taken.  Returns how many
+        tokens from ``start`` the pages held now cover, at most ``end - start`` (a chunk, a draft or the steps of
+        a flight is cut to it)."""
+        while not self.pages.grow(seq.pages, end):
             if not may_preempt or not self._preempt_one(spare=seq):
-                return False
-        return True
+                return min(end - start, self.pages.covered(seq.pages, start))
+        return end - start
 
     def _preempt_one(self, spare: Sequence) -> bool:
         victims = [s for s in self.running if s is not spare and not s.in_flight and s.pages]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from fiberserve.engine.drafting import PromptLookup
 from fiberserve.engine.flight import Flight, FlightItem, FlightResult
-from fiberserve.engine.kvcache import PagePool
+from fiberserve.engine.multi_step import Reserve
 from fiberserve.engine.pass_times import PassTimes
 
 #: Every EXPLORE_EVERY-th decision for a flight size takes the way that measured slower, so a change of traffic
@@ -110,13 +110,13 @@ class Speculation:
         self._landed = None
         flight.may_draft = self.limit > 0 and self.switch.allows(len(flight.items))
 
-    def assign(self, items: list[FlightItem], budget: int, pages: PagePool) -> bool:
+    def assign(self, items: list[FlightItem], budget: int, reserve: Reserve) -> bool:
         """Give a boarding flight's free decodes their drafts, reserving their pages (never by preempting: a
         draft is cut to what its pages cover).  True if any got one; such a flight runs one step."""
         for item, draft in zip(items, self.drafts(items, budget), strict=True):
             seq = item.seq
-            if draft and not pages.grow(seq.pages, item.start + 1 + len(draft)):
-                draft = draft[: pages.covered(seq.pages, item.start + 1)]
+            if draft:
+                draft = draft[: reserve(seq, item.start + 1, item.start + 1 + len(draft))]
             if draft:
                 item.draft, item.length, item.pages = tuple(draft), 1 + len(draft), tuple(seq.pages)
         return any(item.draft for item in items)
