@@ -4,12 +4,15 @@ For each sequence a :class:`FlightItem` says which of its tokens to compute now 
 While a flight is in the air the scheduler leaves its sequences alone (a sequence is in at most one flight), so
 the runner may read them without locks.
 
+As each step's decoder layers start, the runner tells the host's loop through the flight's :class:`Takeoffs`
+(the host streams then, while the layers compute, not while the worker's Python prepares the step).
+
 A flight of a few plain decodes may run several steps (``Flight.steps``, vLLM's former multi-step scheduling;
 policy 4 in ``multi_step.py``): the runner feeds each step the tokens the previous one sampled
-(``FlightItem.token``: the runner knows them before the sequence does) and hands every step but the last to
-``Flight.on_step``, which lands it on the host's loop while the next step computes, so the fiber goes from one
-step to the next without a round trip through the host.  After the first step the runner reads only what
-landing does not change (parameters, sampling key, stop tokens, the abort flag).
+(``FlightItem.token``: the runner knows them before the sequence does) and hands every step but the last to the
+host with the next step's takeoff, so the fiber goes from one step to the next without a round trip through
+the host.  After the first step the runner reads only what landing does not change (parameters, sampling key,
+stop tokens, the abort flag).
 
 A decode may also carry draft tokens (``FlightItem.draft``, speculative decoding; policy 5 in
 ``speculation.py``): its chunk is the last token then the draft, every row picks, and the item keeps the picks
@@ -18,7 +21,8 @@ up to the first draft token the model would not have picked (:meth:`FlightItem.a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import torch
@@ -119,12 +123,9 @@ class Flight:
     #: Decode steps the runner may run before the flight lands (more than 1 only for items that all
     #: ``decodes_freely``, their pages reserved for every step).
     steps: int = 1
-    #: Called on the worker with each step's result but the last (which the invocation returns); it must hand
-    #: the result to the host's loop.  Needed when ``steps`` > 1.
-    on_step: Callable[[FlightResult], object] = lambda result: None
-    #: Called on the worker as the first step's decoder layers start (the host streams the flight that landed
-    #: before it then); None: nothing to tell.
-    on_takeoff: Callable[[], object] | None = None
+    #: Where the runner tells the host each step's takeoff; set by the host as it runs the flight (None: the
+    #: runner tells nobody).
+    takeoffs: Takeoffs | None = None
     #: Set by the host: run no further step (new work waits to board, or the flight has failed).
     halted: bool = False
     #: Set by the host once the flight has landed or failed; a step handed over after that is dropped.
@@ -138,6 +139,12 @@ class Flight:
     @property
     def num_tokens(self) -> int:
         return sum(item.length for item in self.items)
+
+    def take_off(self, landed: FlightResult | None) -> None:
+        """Called on the worker as a step's decoder layers start, with the step before it (None for the
+        first): the host lands that step and streams then."""
+        if self.takeoffs is not None:
+            self.takeoffs.tell(landed)
 
     def ends_after(self, result: FlightResult) -> bool:
         """Whether the runner returns now rather than run another step: the host halted the flight, or one of
@@ -166,3 +173,27 @@ class FlightResult:
     items: list[FlightItem] = field(default_factory=list)
     seconds: float = 0.0  #: how long the step took on its worker (0: not measured)
     pooled: list[torch.Tensor | None] = field(default_factory=list)
+
+
+#: What :meth:`Takeoffs.until` reads once the call has returned.
+_RETURNED = object()
+
+
+class Takeoffs:
+    """A flight's takeoffs, told on the worker (:meth:`tell`) and read in order on the host's loop
+    (:meth:`until`); made on the loop that reads them."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._told: asyncio.Queue[FlightResult | object | None] = asyncio.Queue()
+
+    def tell(self, landed: FlightResult | None) -> None:
+        """On the worker: a step's layers start; ``landed`` is the step before it (None for the first)."""
+        self._loop.call_soon_threadsafe(self._told.put_nowait, landed)
+
+    async def until(self, call: asyncio.Future) -> AsyncIterator[FlightResult | None]:
+        """Each takeoff told until ``call`` (the flight's invocation) is done: the step that landed with it (None
+        for the first step's).  Takeoffs told after the call ended (a call that timed out runs on) are not read."""
+        call.add_done_callback(lambda _: self._told.put_nowait(_RETURNED))
+        while (landed := await self._told.get()) is not _RETURNED:
+            yield landed  # type: ignore[misc]

@@ -9,7 +9,6 @@ move between threads (``per_call``): each call sets the calling thread's team.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 
@@ -77,45 +76,45 @@ class ModelRunner:
         )
 
     def __call__(self, flight: Flight) -> FlightResult:
-        """Run the flight's steps (see the module docstring); return the last step's result.
-
-        ``flight.on_takeoff`` is called as the first step's decoder layers start, and a step is handed to
-        ``flight.on_step`` once the next one's layers start, not as soon as it is done: the event loop's thread,
-        woken by either, then finds the GIL free (woken earlier, its Python would take the GIL from this
-        thread's between the steps)."""
+        """Run the flight's steps (see the module docstring); return the last step's result.  Each step takes
+        off (:meth:`.Flight.take_off`) as its decoder layers start, with the step before it: the host's loop,
+        woken then, finds the GIL free (woken earlier, its Python would take the GIL from this thread's while
+        the step is prepared)."""
         if (threads := self.team()) != torch.get_num_threads():  # the calling thread's; results do not depend on it
             torch.set_num_threads(threads)
         items: list[FlightItem] = flight.items
-        publish: Callable[[], object] | None = flight.on_takeoff
+        landed: FlightResult | None = None
         for _ in range(flight.steps - 1):
-            result = self.step(items, publish)
-            if flight.ends_after(result):
-                return result
-            items = [item.next_step(picks[0][0]) for item, picks in zip(items, result.tokens, strict=True)]
-            publish = functools.partial(flight.on_step, result)
-        return self.step(items, publish)
+            landed = self.step(items, flight, landed)
+            if flight.ends_after(landed):
+                return landed
+            items = [item.next_step(picks[0][0]) for item, picks in zip(items, landed.tokens, strict=True)]
+        return self.step(items, flight, landed)
 
-    def step(self, items: list[FlightItem], before_layers: Callable[[], object] | None = None) -> FlightResult:
-        """One forward pass over ``items`` (calling ``before_layers`` as its layers start), then the picks of
-        the items that sample."""
+    def step(
+        self, items: list[FlightItem], flight: Flight | None = None, landed: FlightResult | None = None
+    ) -> FlightResult:
+        """One forward pass over ``items``, then the picks of the items that sample; ``flight`` (if given) takes
+        off with ``landed`` once the pass's inputs are built, as its layers start."""
         self.faults.maybe_fail(FaultPoint.START)
         started = time.perf_counter()
-        batch = self.build_batch(items)
-        batch.before_layers = functools.partial(self._layers_start, before_layers)
+        inputs = self.model.prepare(self.build_batch(items), self.cache)
         sampling = [item.seq for item in items for _ in range(item.sample_rows)]
         positions = [position for item in items for position in item.sampled_positions]
         scoring = any(item.scored_prompt for item in items)
         pooling = any(item.pooled_positions for item in items)
+        head_picks = not (scoring or pooling) and sampling and all(s.params.picked_from_raw_logits for s in sampling)
+        race = race_parameters(sampling, positions) if head_picks else None
+        if flight is not None:
+            flight.take_off(landed)
+        self.faults.maybe_fail(FaultPoint.LAYERS)
+        hidden = self.model.run_layers(inputs)
         scored: list[list[TokenLogprob]] = [[] for _ in items]
         pooled: list[torch.Tensor | None] = []
-        if not (scoring or pooling) and sampling and all(seq.params.picked_from_raw_logits for seq in sampling):
-            race = race_parameters(sampling, positions)  # the head's kernel picks: no logits written
-            tokens: list[tuple[int, TokenLogprob | None]] = [
-                (t, None) for t in self.model.pick(batch, self.cache, race)
-            ]
+        if head_picks:  # the head's kernel picks: no logits written
+            tokens: list[tuple[int, TokenLogprob | None]] = [(t, None) for t in self.model.head.pick(hidden, race)]
             picked = iter(tokens)
         else:
-            hidden = self.model.final_hidden(batch, self.cache)
             if pooling:
                 hidden, pooled = self._take_pooled(items, hidden)
             logits = self.model.logits_of(hidden) if scoring or sampling else hidden
@@ -124,12 +123,6 @@ class ModelRunner:
             picked = iter(sample(logits, sampling, positions) if sampling else [])
         picks = [item.accept([next(picked) for _ in range(item.sample_rows)]) for item in items]
         return FlightResult(picks, scored, items, time.perf_counter() - started, pooled)
-
-    def _layers_start(self, before_layers: Callable[[], object] | None) -> None:
-        """As the step's layers start: its inputs and K/V slots are built, no K/V is written yet."""
-        if before_layers is not None:
-            before_layers()
-        self.faults.maybe_fail(FaultPoint.LAYERS)
 
     @staticmethod
     def _take_pooled(items: list[FlightItem], hidden: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:

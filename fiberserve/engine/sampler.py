@@ -10,7 +10,7 @@ batch.  A sampled row draws by an exponential race (:func:`.kernels.race_rows`: 
 ``logit / temperature`` plus Gumbel noise), and the noise is a pure function of (the sequence's key, the position
 of the token drawn, the token) (``sampling_noise``): a seeded request samples the same tokens alone, in any batch,
 after a preemption, whether or not its tokens were drafted, and whether or not its logits were written (a row
-without truncation, adjustments or logprobs runs its race in the head's kernel: ``LlamaModel.pick``).
+without truncation, adjustments or logprobs runs its race in the head's kernel: ``OutputHead.pick``).
 
 Logprobs are those of the model's raw distribution (before temperature and truncation, and before bias and
 penalties), as vLLM and SGLang report them.
@@ -28,7 +28,7 @@ from fiberserve.engine.sampling_noise import row_seed
 from fiberserve.engine.sampling_params import SamplingParams
 from fiberserve.engine.sequence import Sequence
 from fiberserve.engine.sequence_output import TokenLogprob
-from fiberserve.model.llama import argmax_rows
+from fiberserve.model.head import argmax_rows
 from fiberserve.model.small_tensors import tensor_of
 
 #: Candidate counts tried, in order, for a row's top-p nucleus: the largest that the top-k kernel takes, then one

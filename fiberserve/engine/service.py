@@ -1,14 +1,16 @@
 """LlmService: the engine.  It owns the model program, the fiber pool, the KV pages and the scheduler.
 
-Requests flow: :meth:`LlmService.submit` validates and queues sequences; the
-batch loop boards flights while a fiber is idle; each flight runs as
-``async with pool.acquire() as fiber: await program.invoke(fiber, flight)``;
-landing appends tokens, streams text and frees finished sequences' pages.
-Because boarding does not wait for the previous flight to land, up to
-``fibers`` flights are in the air at once.  A flight of plain decodes may
-run several steps on its fiber, each landing on this loop as the next one
-computes (``decode_steps``; see the runner and the scheduler).  A flight's
-decodes may carry draft tokens, checked in the same pass
+Requests flow: :meth:`LlmService.submit` validates and queues sequences; the engine's step runs in ``fibers``
+lanes (:meth:`LlmService._lane`), each with at most one flight in the air::
+
+    flight = await self._schedule()      # the scheduler's next batch, once there is work
+    result = await self._run(flight)     # on an idle fiber: async with pool.acquire() as fiber: invoke
+    self._land(flight, result)           # tokens recorded; their events held
+
+and streaming overlaps the compute by the step's order: what a flight lands streams as the engine's next
+flight takes off (its layers start), so the loop writes to the clients while a fiber computes.  A flight of
+plain decodes may run several steps on its fiber, each landing as the next one takes off (``decode_steps``;
+see the runner and the scheduler).  A flight's decodes may carry draft tokens, checked in the same pass
 (``speculative_tokens``; see ``drafting.py``).
 """
 
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 import os
 import random
@@ -33,7 +34,7 @@ import torch
 from fiberserve import kernels
 from fiberserve.config import EngineConfig
 from fiberserve.engine.faults import FaultInjector
-from fiberserve.engine.flight import Flight, FlightResult
+from fiberserve.engine.flight import Flight, FlightResult, Takeoffs
 from fiberserve.engine.grammar import GrammarCompiler, GrammarState
 from fiberserve.engine.kvcache import PagePool
 from fiberserve.engine.runner import ModelRunner
@@ -310,8 +311,9 @@ class LlmService:
         )
         self.pool: FiberPool | None = None
         self._wake = asyncio.Event()  #: set when there may be work to board
-        self._loop_task: asyncio.Task | None = None
-        self._flights: set[asyncio.Task] = set()
+        self._lanes: list[asyncio.Task] = []
+        self._in_air: set[Flight] = set()
+        self._closing = False
         self.flights_run = 0
         self.flights_failed = 0
         #: Whether the heaps' freed memory went back to the system with no flight since (``IDLE_TRIM_S`` idle).
@@ -349,38 +351,110 @@ class LlmService:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Start the fibers and the batching loop.  Sets the process's GIL switch interval
+        """Start the fibers and the lanes.  Sets the process's GIL switch interval
         (``runtime.worker.GIL_SWITCH_INTERVAL_S``), which an application embedding the engine shares."""
         hand_over_the_gil_promptly()
         self.pool = FiberPool(self.config.fibers, device=self.config.device, name="fiber")
-        self._loop_task = asyncio.create_task(self._batch_loop(), name="fiberserve-batcher")
+        self._lanes = [
+            asyncio.create_task(self._lane(), name=f"fiberserve-lane-{i}") for i in range(self.config.fibers)
+        ]
 
     async def close(self) -> None:
-        """Abort everything, wait for flights in the air, stop the fibers."""
+        """Abort everything, let the flights in the air land, stop the lanes and the fibers."""
+        self._closing = True
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             self.scheduler.abort(seq)
-        self.scheduler.release_events()  # a flight cancelled before its first step never takes off
-        if self._flights:
-            await asyncio.gather(*self._flights, return_exceptions=True)
+        self._wake.set()
+        await asyncio.gather(*self._lanes, return_exceptions=True)
+        self.scheduler.release_events()
         if self._trim_timer is not None:
             self._trim_timer.cancel()
-        if self._loop_task:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
         if self.pool:
             self.pool.close()
 
-    # ------------------------------------------------------------------ the batching step
+    # ------------------------------------------------------------------ the engine's step
 
-    async def _batch_loop(self) -> None:
-        while True:
-            await self._wake.wait()
+    async def _lane(self) -> None:
+        """The engine's step, one flight at a time; ``config.fibers`` lanes run it (see the module docstring)."""
+        while (flight := await self._schedule()) is not None:
+            try:
+                result = await self._run(flight)
+                if result is not None:
+                    self._land(flight, result)
+            except Exception as exc:  # a defect of the engine's own: refuse new work rather than hang
+                log.exception("the engine's step failed")
+                self.broken = f"the engine's step failed: {exc!r}"
+            finally:
+                self._in_air.discard(flight)
+                self._wake.set()  # another lane may board what this landing freed
+
+    async def _schedule(self) -> Flight | None:
+        """The next flight, once there is work; while there is none, what the last landing held streams and an
+        idle engine is checked and trimmed.  None once the engine closes with nothing left to fly."""
+        while (flight := self.scheduler.next_flight()) is None:
+            self.scheduler.release_events()
+            if self.is_idle():
+                self._went_idle()
+            if self._closing:
+                return None
             self._wake.clear()
-            self._board_flights()
+            await self._wake.wait()
+        self._in_air.add(flight)
+        self.heap_trimmed = False
+        return flight
 
-    def _arm_idle_trim(self) -> None:
-        """As the engine goes idle: return the heaps' freed memory to the system ``IDLE_TRIM_S`` from now if it is
-        idle still (an earlier timer is dropped); on the loop, so that no flight boards while it runs."""
+    async def _run(self, flight: Flight) -> FlightResult | None:
+        """Run ``flight`` on an idle fiber.  As each of its steps takes off, the step before it lands (a
+        multi-step flight) and what the engine's last landing held streams.  Returns the last step's result, or
+        None where the flight failed (its sequences ended with the error)."""
+        assert self.pool is not None, "flights fly once the service has started"
+        flight.takeoffs = Takeoffs()
+        try:
+            async with self.pool.acquire() as fiber:
+                call = asyncio.ensure_future(
+                    self.program.invoke(fiber, flight, timeout=self.config.invocation_timeout)
+                )  # queued on the fiber in its first step, before this coroutine waits
+                try:
+                    async for landed in flight.takeoffs.until(call):
+                        if landed is not None:
+                            self.scheduler.on_step(flight, landed)
+                        self.scheduler.release_events()
+                except asyncio.CancelledError:
+                    call.cancel()  # the invocation holds the fiber until its call returns
+                    await asyncio.gather(call, return_exceptions=True)
+                    raise
+                return await call
+        except BaseException as exc:
+            self.scheduler.release_events()  # held for this flight's takeoff, which its failure may have skipped
+            self.flights_failed += 1
+            log.warning("flight of %d sequences failed: %r", len(flight.items), exc)
+            if isinstance(exc, InvocationTimeout):
+                self._quarantine_until_returned(flight, exc)
+            else:
+                self.scheduler.on_flight_failed(flight, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return None
+
+    def _land(self, flight: Flight, result: FlightResult) -> None:
+        """Record the flight's tokens and end its finished sequences.  Their events are held until the engine's
+        next flight takes off (or, with none to board, until :meth:`_schedule` finds none): the loop streams
+        them while that flight computes, not while its worker prepares it."""
+        self.flights_run += 1
+        self.scheduler.hold_events()
+        self.scheduler.on_flight_done(flight, result)
+
+    def _went_idle(self) -> None:
+        """With nothing running or waiting: check the invariants (``check_integrity``), and return the heaps'
+        freed memory to the system ``IDLE_TRIM_S`` from now if the engine is idle still."""
+        if self.config.check_integrity and self.broken is None:
+            try:
+                self.check_integrity()
+            except AssertionError as exc:
+                log.exception("the engine's invariants broke")
+                self.broken = f"the engine's invariants broke: {exc}"
+        if self.heap_trimmed:
+            return
         loop = asyncio.get_running_loop()
         if self._trim_timer is not None:
             self._trim_timer.cancel()
@@ -393,70 +467,6 @@ class LlmService:
                 log.debug("heaps trimmed at idle in %.1f ms", (time.perf_counter() - started) * 1e3)
 
         self._trim_timer = loop.call_later(IDLE_TRIM_S, trim)
-
-    def _board_flights(self, release_events_on_takeoff: bool = False) -> int:
-        """Start flights while a fiber is free and the scheduler has work; returns how many started.  With
-        ``release_events_on_takeoff``, each releases the scheduler's held events as its layers start."""
-        loop = asyncio.get_running_loop()
-        release = self.scheduler.release_events
-        on_takeoff = functools.partial(loop.call_soon_threadsafe, release) if release_events_on_takeoff else None
-        boarded = 0
-        while len(self._flights) < self.config.fibers:
-            flight = self.scheduler.next_flight()
-            if flight is None:
-                break
-            flight.on_step = functools.partial(self._land_step, loop, flight)
-            flight.on_takeoff = on_takeoff
-            self._flights.add(asyncio.create_task(self._fly(flight)))
-            self.heap_trimmed = False
-            boarded += 1
-        return boarded
-
-    def _land_step(self, loop: asyncio.AbstractEventLoop, flight: Flight, result: FlightResult) -> None:
-        """Called on the worker with a step of a multi-step flight: land it on the event loop."""
-        loop.call_soon_threadsafe(self.scheduler.on_step, flight, result)
-
-    async def _fly(self, flight: Flight) -> None:
-        assert self.pool is not None, "flights fly once the service has started"
-        try:
-            async with self.pool.acquire() as fiber:
-                result = await self.program.invoke(fiber, flight, timeout=self.config.invocation_timeout)
-        except BaseException as exc:
-            self.scheduler.release_events()  # held for this flight's takeoff, which its failure may have skipped
-            self.flights_failed += 1
-            log.warning("flight of %d sequences failed: %r", len(flight.items), exc)
-            if isinstance(exc, InvocationTimeout):
-                self._quarantine_until_returned(flight, exc)
-            else:
-                self.scheduler.on_flight_failed(flight, exc)
-            if not isinstance(exc, Exception):
-                raise
-        else:
-            self.flights_run += 1
-            # The next flight boards before this one's tokens reach their streams, and they are released as its
-            # layers start: the fiber does not wait for the loop to stream them (its task's first step queues
-            # the work: Program.invoke submits before it first waits), and the worker's Python that prepares the
-            # step does not share the GIL with the loop's that streams them.
-            self.scheduler.hold_events()
-            boarded = 0
-            try:
-                self.scheduler.on_flight_done(flight, result)
-                self._flights.discard(asyncio.current_task())
-                boarded = self._board_flights(release_events_on_takeoff=True)
-            finally:
-                if not boarded:
-                    self.scheduler.release_events()
-        finally:
-            self._flights.discard(asyncio.current_task())
-            if self.is_idle():
-                self._arm_idle_trim()
-            self._wake.set()
-            if self.config.check_integrity and self.is_idle() and self.broken is None:
-                try:
-                    self.check_integrity()
-                except AssertionError as exc:
-                    log.exception("the engine's invariants broke")
-                    self.broken = f"the engine's invariants broke: {exc}"
 
     def _quarantine_until_returned(self, flight: Flight, timeout: InvocationTimeout) -> None:
         """Fail a flight whose call ran past its deadline: the call may still write its sequences' K/V, so their
@@ -598,10 +608,10 @@ class LlmService:
     # ------------------------------------------------------------------ introspection
 
     def is_idle(self) -> bool:
-        return not self.scheduler.running and not self.scheduler.waiting and not self._flights
+        return not self.scheduler.running and not self.scheduler.waiting and not self._in_air
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-        assert self._flights or not self.scheduler.events_are_held, "events held with no flight to release them"
+        assert self._in_air or not self.scheduler.events_are_held, "events held with no flight to release them"
         if self.pool:
             self.pool.check_integrity()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,19 +40,10 @@ class ForwardBatch:
     write_slots: torch.Tensor  #: LongTensor [T]: where each new token's K/V goes
     spans: list[SequenceSpan]
     logit_rows: torch.Tensor  #: LongTensor [R]: rows whose logits are returned
-    #: Called just before the decoder layers run: on CPU the longest stretch of a step without the GIL, so a
-    #: thread this wakes runs its Python then rather than stall the step's own (the runner hands the previous
-    #: step of a multi-step flight to the event loop here).
-    before_layers: Callable[[], object] | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.numel())
-
-    def layers_start(self) -> None:
-        """Call ``before_layers``, if any: the last thing before the layers, once their inputs are built."""
-        if self.before_layers is not None:
-            self.before_layers()
 
 
 class KVCache:

@@ -12,11 +12,10 @@ import torch
 from fiberserve.engine import SamplingParams, speculation
 from fiberserve.engine import service as service_module
 from fiberserve.engine.faults import FaultPoint
-from fiberserve.engine.flight import FlightItem
+from fiberserve.engine.flight import Flight, FlightItem
 from fiberserve.engine.runner import ModelRunner
 from fiberserve.engine.sampling_params import InvalidParameter
 from fiberserve.engine.sequence import Sequence
-from fiberserve.model.batch import ForwardBatch
 from fiberserve.runtime.worker import GIL_SWITCH_INTERVAL_S
 from tests.integration.engine_utils import Engine, assert_same_or_near_tie
 
@@ -384,8 +383,8 @@ async def test_a_landed_flight_s_tokens_reach_their_readers_once_the_next_flight
     flight's layers start, so the loop streams while the fiber computes: a sequence's every token but its last
     reaches its reader with the fiber busy and the layers of the flight after the token's own started."""
     layers_started = []
-    layers_start = ForwardBatch.layers_start
-    monkeypatch.setattr(ForwardBatch, "layers_start", lambda batch: (layers_started.append(1), layers_start(batch)))
+    take_off = Flight.take_off
+    monkeypatch.setattr(Flight, "take_off", lambda flight, landed: (layers_started.append(1), take_off(flight, landed)))
     svc = engine.service(fibers=1, decode_steps=1, speculative_tokens=0)
     await svc.start()
     try:

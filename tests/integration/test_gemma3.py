@@ -87,7 +87,7 @@ def test_a_rows_bits_do_not_depend_on_its_span_or_batch(gemma_path):
     def hidden(then: list[tuple[list[int], list[int], int]]) -> torch.Tensor:
         cache = KVCache(model.config, 8, page, torch.bfloat16, "cpu")
         model.forward(batch([(a[:25], [0, 3], 0), (b[:27], [1, 2], 0)]), cache)
-        return model._final_hidden(batch(then), cache)
+        return model.final_hidden(batch(then), cache)
 
     alone = hidden([(a[:26], [0, 3], 25)])[0]
     assert torch.equal(hidden([(a, [0, 3], 25), (b, [1, 2], 27)])[0], alone)

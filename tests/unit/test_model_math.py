@@ -315,7 +315,7 @@ def test_greedy_gives_the_argmax_of_forward(tiny_dirs, quantization):
     seqs = [(TOKENS * 2, [3, 1, 4, 0, 5, 9]), (TOKENS[:7], [2, 6])]
     batch = prefill_batch(seqs)
     logits = model.forward(batch, KVCache(model.config, 16, PAGE, torch.bfloat16, "cpu"))
-    tokens = model.greedy(batch, KVCache(model.config, 16, PAGE, torch.bfloat16, "cpu"))
+    tokens = model.pick(batch, KVCache(model.config, 16, PAGE, torch.bfloat16, "cpu"))
     assert len(tokens) == logits.shape[0] == len(TOKENS) * 2 + 7
     assert tokens == kernels.top_k_rows(logits, 1)[1][:, 0].tolist() == logits.argmax(-1).tolist()
 
@@ -329,8 +329,8 @@ def test_pick_draws_what_the_race_over_forward_draws(tiny_dirs, quantization, dt
     logits for sampled rows and the argmax for greedy ones, whether the winner is among the re-scored candidates
     or not."""
     from fiberserve import kernels
+    from fiberserve.model.head import REFINED_LOGITS
     from fiberserve.model.linear import quant_kernel_available
-    from fiberserve.model.llama import REFINED_LOGITS
 
     if quantization == "int4" and not quant_kernel_available():
         pytest.skip("the int4 mode's head runs on the extension's kernel (AVX512-VNNI or AVX2)")

@@ -220,8 +220,8 @@ def test_a_large_head_is_packed_a_few_rows_at_a_time_into_the_same_tensors(tmp_p
     whole = kernels.quant_pack(checkpoint.weights.blocks(head).unpack())
     monkeypatch.setattr(gguf_rows, "ROWS_AT_ONCE", 48)  # 256 rows: 5 whole pieces and a short one
     model = LlamaModel(load_checkpoint(path), torch.bfloat16, quantization="int4")
-    assert model.logits.out_features == cfg["vocab_size"] == 256
-    for ours, theirs in zip(model.logits.packed_tensors(), whole, strict=True):
+    assert model.head.linear.out_features == cfg["vocab_size"] == 256
+    for ours, theirs in zip(model.head.linear.packed_tensors(), whole, strict=True):
         assert torch.equal(ours, theirs)
 
 
@@ -238,12 +238,12 @@ def test_int4_reads_embedding_and_head_rows_from_the_file_with_the_same_bits(tmp
     weights = random_weights(cfg, seed=9)
     path = write_gguf(tmp_path / "q.gguf", cfg, weights, qtype=gguf.GGMLQuantizationType.Q8_0)
     model = LlamaModel(load_checkpoint(path), torch.bfloat16, quantization="int4")
-    assert isinstance(model.embed, FileRows) and isinstance(model.lm_head, FileRows)
-    assert (model.lm_head is model.embed) == tied
+    assert isinstance(model.embed, FileRows) and isinstance(model.head.rows, FileRows)
+    assert (model.head.rows is model.embed) == tied
     whole = LlamaModel(load_checkpoint(path), torch.bfloat16, quantization="int4")
     ck = load_checkpoint(path)
     whole.embed = ck.weights.read_as("model.embed_tokens.weight", torch.bfloat16)
-    whole.lm_head = whole.embed if tied else ck.weights.read_as("lm_head.weight", torch.bfloat16)
+    whole.head.rows = whole.embed if tied else ck.weights.read_as("lm_head.weight", torch.bfloat16)
     tokens = torch.tensor([[5, 17, 5], [200, 3, 99]])
     assert torch.equal(model.embed[tokens], whole.embed[tokens])
     seqs = [([5, 17, 200, 3, 99, 42, 7], list(range(8))), ([9, 9, 1], list(range(8, 16)))]
