@@ -119,11 +119,9 @@ def bf16_gemm_available() -> bool:
     return bool(torch.ops.fiberserve.bf16_gemm_available())
 
 
-def bf16_amx(allow: bool | None = None) -> bool:
-    """Whether :func:`bf16_linear` runs on AMX tiles here (built for them, and Linux granted the tile registers).
-    ``allow`` first allows or forbids them in this process, for comparisons; it changes the products' bits, so
-    set it before a model runs."""
-    return bool(torch.ops.fiberserve.bf16_amx(-1 if allow is None else int(allow)))
+def bf16_amx() -> bool:
+    """Whether :func:`bf16_linear` runs on AMX tiles here (built for them, and Linux granted the tile registers)."""
+    return bool(torch.ops.fiberserve.bf16_amx())
 
 
 def bf16_pack(weight: torch.Tensor) -> torch.Tensor:

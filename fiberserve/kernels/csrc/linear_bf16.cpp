@@ -9,13 +9,13 @@
 // Speed (2 cores, SmolLM2-135M's 120 decoder products per step, bf16): see fiberserve/model/linear.py.
 // The row tiles: AMX's (amx/linear_bf16.h, tdpbf16ps on 16-row tiles) where the CPU has them and Linux grants them,
 // else AVX512-BF16's (avx512/linear_bf16.h), or AVX2's (avx2/linear_bf16.h, vdpbf16ps's arithmetic by
-// multiply-adds); the rest of the file serves all three.  bf16_gemm_available() says whether any was compiled, bf16_amx() whether AMX runs.
+// multiply-adds); the rest of the file serves all three.  bf16_gemm_available() says whether any was compiled,
+// bf16_amx() whether AMX runs.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -172,13 +172,10 @@ void product_candidates(const Row* xp, int64_t M, int64_t K, const uint16_t* wp,
   out.merge(lists, M);
 }
 
-std::atomic<bool> amx_allowed{true};
-
-// Whether a product over K runs on AMX tiles: built with them, granted by the OS, allowed, and K in whole
-// tile steps (32).  The answer is the same for every row count, as batch invariance needs.
+// Whether a product over K runs on AMX tiles: built with them, granted by the OS, and K in whole tile steps (32).  The answer is the same for every row count, as batch invariance needs.
 bool runs_on_amx(int64_t K) {
 #if defined(FIBERSERVE_AMX)
-  return K % (2 * amx::kPairs) == 0 && amx_allowed.load() && amx::amx_ready();
+  return K % (2 * amx::kPairs) == 0 && amx::amx_ready();
 #else
   (void)K;
   return false;
@@ -207,10 +204,7 @@ void with_tiles(int64_t K, const F& f) {
 
 bool bf16_gemm_available() { return true; }
 
-bool bf16_amx(int64_t allow) {
-  if (allow >= 0) amx_allowed.store(allow != 0);
-  return runs_on_amx(32);
-}
+bool bf16_amx() { return runs_on_amx(32); }
 
 at::Tensor bf16_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "bf16_pack: weight must be bf16 [N, K]");
@@ -272,7 +266,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bf16_linear_race(cons
 
 bool bf16_gemm_available() { return false; }
 
-bool bf16_amx(int64_t) { return false; }
+bool bf16_amx() { return false; }
 
 at::Tensor bf16_pack(const at::Tensor&) { TORCH_CHECK(false, "bf16_pack: built without AVX2 or AVX512-BF16"); }
 

@@ -30,7 +30,7 @@ bool bf16_gemm_available();
 
 // Whether bf16_linear runs on AMX tiles (amx/linear_bf16.h) in this process; allow >= 0 first allows (1) or forbids
 // (0) them, for comparisons.  Forbidding changes the products' bits: switch before a model runs, not while.
-bool bf16_amx(int64_t allow);
+bool bf16_amx();
 
 at::Tensor bf16_pack(const at::Tensor& weight);
 

@@ -14,7 +14,7 @@ TORCH_LIBRARY(fiberserve, m) {
       "Tensor(b!) v_cache, int heads) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("bf16_gemm_available() -> bool");
-  m.def("bf16_amx(int allow) -> bool");
+  m.def("bf16_amx() -> bool");
   m.def("bf16_pack(Tensor weight) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, ScalarType out_dtype, bool gated=False) -> Tensor");
   m.def("quant_gemm_available() -> bool");
