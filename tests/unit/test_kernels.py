@@ -1,12 +1,16 @@
 """The C++ CPU kernels against plain PyTorch, and their batch invariance (bit-identical rows)."""
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fiberserve import kernels
+from fiberserve.kernels import variants
 from fiberserve.model.quant_blocks import QuantBlocks, SuperScales
 
 #: The instruction sets of the build this CPU runs (``FIBERSERVE_KERNEL_VARIANT`` may force a narrower one).
@@ -20,6 +24,30 @@ def greedy_candidates(race_op, x, *weights, k):
     """A head kernel's race op (``bf16_linear_race``, ``quant_linear_race``) for greedy rows: values, indices."""
     rows = x.shape[0]
     return race_op(x, *weights, k, torch.zeros(rows), torch.zeros(rows, dtype=torch.long))[:2]
+
+
+def bf16_linear_on_variant(variant: str, tmp_path, x, weight, bias) -> torch.Tensor:
+    """``bf16_linear(x, weight, bias)`` in float32 as a fresh process that forces the kernel build ``variant``
+    computes it."""
+    torch.save((x, weight, bias), tmp_path / "operands.pt")
+    code = (
+        "import sys, torch\n"
+        "from fiberserve import kernels\n"
+        "kernels.load()\n"
+        "x, weight, bias = torch.load(sys.argv[1])\n"
+        "assert kernels.variant().name == sys.argv[2], kernels.variant().name\n"
+        "torch.save(kernels.bf16_linear(x, kernels.bf16_pack(weight), bias, torch.float32), sys.argv[3])\n"
+    )
+    args = [str(tmp_path / "operands.pt"), variant, str(tmp_path / "out.pt")]
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env={**os.environ, variants.VARIANT_ENV: variant},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return torch.load(tmp_path / "out.pt")
 
 
 def reference_attention(q, k, v, tables, spans, keys, window=None, softcap=None):
@@ -252,10 +280,10 @@ def test_bf16_linear_runs_on_amx_tiles_exactly_where_the_cpu_has_them():
 
 
 @pytest.mark.skipif(not kernels.bf16_amx(), reason="this CPU has no AMX tiles")
-def test_bf16_linear_on_amx_tiles_keeps_every_row_exact_at_any_count():
+def test_bf16_linear_on_amx_tiles_keeps_every_row_exact_at_any_count(tmp_path):
     """Tiles of 16 rows, the last padded: 1 to 40 rows (one tile, several, split between threads by blocks or by
-    (group, row tile)), plain, with bias, gated and top-k, give a row the same bits.  Forbidding AMX falls back
-    to the vdpbf16ps tiles: the same products, other roundings."""
+    (group, row tile)), plain, with bias, gated and top-k, give a row the same bits.  The AVX-512 build's
+    vdpbf16ps tiles give the same products, other roundings."""
     torch.manual_seed(13)
     weight, bias = torch.randn(144, 576).bfloat16(), torch.randn(144)
     packed = kernels.bf16_pack(weight)
@@ -278,14 +306,11 @@ def test_bf16_linear_on_amx_tiles_keeps_every_row_exact_at_any_count():
         no_bias = kernels.bf16_linear(x[:17], packed, None, torch.float32)
         assert torch.equal(kernels.top_k_rows(no_bias, 8)[0], top_values[:17])
         assert torch.equal(greedy_candidates(kernels.bf16_linear_race, x[:17], packed, k=8)[1], top_indices[:17])
-        assert not kernels.bf16_amx(False)
-        vector = kernels.bf16_linear(x, packed, bias, torch.float32)
-        torch.testing.assert_close(vector, wide, atol=1e-3, rtol=1e-4)
-        assert not torch.equal(vector, wide)  # tdpbf16ps rounds its sums otherwise than vdpbf16ps: other bits
     finally:
-        kernels.bf16_amx(True)
         torch.set_num_threads(threads)
-    assert torch.equal(kernels.bf16_linear(x, packed, bias, torch.float32), wide)
+    vector = bf16_linear_on_variant("avx512", tmp_path, x, weight, bias)
+    torch.testing.assert_close(vector, wide, atol=1e-3, rtol=1e-4)
+    assert not torch.equal(vector, wide)  # tdpbf16ps rounds its sums otherwise than vdpbf16ps: other bits
 
 
 def test_quant_linear_is_built_where_the_target_has_avx512_vnni_or_avx2():
