@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import math
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from fiberserve.model.config import ModelConfig
+from fiberserve.model.lora import LoraRows
 
 
 @dataclass
@@ -40,6 +41,7 @@ class ForwardBatch:
     write_slots: torch.Tensor  #: LongTensor [T]: where each new token's K/V goes
     spans: list[SequenceSpan]
     logit_rows: torch.Tensor  #: LongTensor [R]: rows whose logits are returned
+    lora: LoraRows = field(default_factory=LoraRows)  #: the rows each LoRA adapter runs (none: the base model)
 
     @property
     def num_tokens(self) -> int:

@@ -252,6 +252,7 @@ class GateUp:
         silu_kernel = self.silu_kernel = silu_kernel and not gelu
         chunk = _gate_chunk(gate, quantization, dtype) if silu_kernel else None
         self.gated = chunk is not None
+        self.chunk = chunk
         weight = _stack_gate_up(gate, up, chunk)
         self.product = make_linear(weight, None, quantization, dtype)
         self.min_rows = self.product.min_rows
@@ -265,7 +266,20 @@ class GateUp:
             return self.product(x, gated=True)
         if self.silu_kernel:
             return kernels.silu_mul(self.product(x))
-        gate, up = self.product(x).chunk(2, dim=-1)
+        return self.activate(self.product(x))
+
+    def pre_activation(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ [gate; up].T`` in float32 [rows, 2F], gate columns then up columns (a gated product's interleaved
+        columns put back in that order): what :meth:`activate` takes."""
+        both = self.product(x, wide=True).float()
+        if self.chunk is None:
+            return both
+        rows = both.shape[0]
+        return both.view(rows, -1, 2, self.chunk).transpose(1, 2).reshape(rows, -1)
+
+    def activate(self, both: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` of a [rows, 2F] gate-then-up product (SiLU, or Gemma's tanh GELU)."""
+        gate, up = both.chunk(2, dim=-1)
         return (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
 
 

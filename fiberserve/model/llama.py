@@ -60,6 +60,7 @@ from fiberserve.model.linear import (
     quant_kernel_available,
 )
 from fiberserve.model.loader import Checkpoint, LazyWeights
+from fiberserve.model.lora import LoraRows
 from fiberserve.model.rope_tables import RopeTables
 
 #: Decoder layers built at once when a model loads (threads: their unpacking and packing run without the GIL).
@@ -77,6 +78,7 @@ class LayerInputs:
     cache: KVCache
     attention: PagedKernelAttention | SdpaAttention
     logit_rows: torch.Tensor  #: int64 [R]: the rows whose final hidden states are returned
+    lora: LoraRows  #: the rows each LoRA adapter runs
 
 
 def _rope_inv_freq(
@@ -281,14 +283,15 @@ class LlamaModel:
                 batch, cache.page_size, windows, self.scale, self.dtype, self.device, self.config.attn_softcap
             )
         write_slots, logit_rows = batch.write_slots.to(self.device), batch.logit_rows.to(self.device)
-        return LayerInputs(h, positions, write_slots, cache, attention, logit_rows)
+        return LayerInputs(h, positions, write_slots, cache, attention, logit_rows, batch.lora)
 
     @torch.inference_mode()
     def run_layers(self, inputs: LayerInputs) -> torch.Tensor:
         """The decoder layers over :meth:`prepare`'s inputs (K/V written into its cache), then the final norm of
-        the rows whose logits are asked for: float32 [R, hidden]."""
+        the rows whose logits are asked for: float32 [R, hidden].  A batch with LoRA rows runs the layer loop in
+        Python, which adds each adapter's products to its rows."""
         h, attention = inputs.h, inputs.attention
-        if self.native_layers is not None and isinstance(attention, PagedKernelAttention):
+        if self.native_layers is not None and isinstance(attention, PagedKernelAttention) and not inputs.lora:
             cache = inputs.cache
             kernels.decoder_layers(
                 h, inputs.positions, self.rope.cos, self.rope.sin, inputs.write_slots, cache.k, cache.v,
@@ -305,23 +308,28 @@ class LlamaModel:
 
         :func:`.kernels.decoder_layers` is this loop in C++, used when every product is one of the
         extension's kernels; this one also takes oneDNN's (float32) products."""
-        H, eps, dtype = self.config.num_heads, self.eps, self.dtype
+        H, eps, dtype, lora = self.config.num_heads, self.eps, self.dtype, inputs.lora
         h, positions, write_slots, cache = inputs.h, inputs.positions, inputs.write_slots, inputs.cache
         cos, sin = self.rope.cos, self.rope.sin
         delta: torch.Tensor | None = None  # the previous layer's MLP output, added to h by the next norm
         for index, layer in enumerate(self.layers):
             x = kernels.add_rms_norm(h, delta, layer.attn_norm, eps, dtype)
             k_cache, v_cache = cache.k[index], cache.v[index]
-            q = kernels.rope_store(layer.qkv(x), positions, cos, sin, write_slots, k_cache, v_cache, H)
-            x = kernels.add_rms_norm(h, layer.o(attention(q, k_cache, v_cache), wide=True), layer.mlp_norm, eps, dtype)
-            delta = layer.down(layer.gate_up(x), wide=True)  # added to h unrounded
+            qkv = lora.add(index, "qkv", x, layer.qkv(x))
+            q = kernels.rope_store(qkv, positions, cos, sin, write_slots, k_cache, v_cache, H)
+            attended = attention(q, k_cache, v_cache)
+            x = kernels.add_rms_norm(
+                h, lora.add(index, "o", attended, layer.o(attended, wide=True)), layer.mlp_norm, eps, dtype
+            )
+            gated = lora.gate_up(index, layer.gate_up, x, layer.gate_up(x))
+            delta = lora.add(index, "down", gated, layer.down(gated, wide=True))  # added to h unrounded
         assert delta is not None, "a model has layers"
         h.add_(delta)
 
     def _layers_generic(self, inputs: LayerInputs) -> torch.Tensor:
         """The decoder layers in PyTorch ops and the attention backend (any device, any layer shape: q/k norms,
         Gemma's extra norms, sliding-window layers)."""
-        cfg, dtype, eps = self.config, self.dtype, self.eps
+        cfg, dtype, eps, lora = self.config, self.dtype, self.eps, inputs.lora
         h, positions, write_slots, cache = inputs.h, inputs.positions, inputs.write_slots, inputs.cache
         attend = inputs.attention
         H, KVH, D, W = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
@@ -334,7 +342,7 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             window = cfg.layer_window(index)
             x = F.rms_norm(h, (W,), layer.attn_norm, eps).to(dtype)
-            qkv = layer.qkv(x)
+            qkv = lora.add(index, "qkv", x, layer.qkv(x))
             qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
             if layer.q_norm is not None and layer.k_norm is not None:
                 q = F.rms_norm(qk[:, :H].float(), (D,), layer.q_norm, eps)
@@ -343,8 +351,9 @@ class LlamaModel:
             k_cache, v_cache = cache.k[index], cache.v[index]
             k_cache.index_copy_(0, write_slots, qk[:new, H:])
             v_cache.index_copy_(0, write_slots, qkv[:new, (H + KVH) * D :].view(new, KVH, D))
-            attended = layer.o(attend(qk[:, :H], k_cache, v_cache, window))
-            h = h + _norm_if(attended, layer.post_attn_norm, eps)
+            attended = attend(qk[:, :H], k_cache, v_cache, window)
+            h = h + _norm_if(lora.add(index, "o", attended, layer.o(attended)), layer.post_attn_norm, eps)
             x = F.rms_norm(h, (W,), layer.mlp_norm, eps).to(dtype)
-            h = h + _norm_if(layer.down(layer.gate_up(x)), layer.post_mlp_norm, eps)
+            gated = lora.gate_up(index, layer.gate_up, x, layer.gate_up(x))
+            h = h + _norm_if(lora.add(index, "down", gated, layer.down(gated)), layer.post_mlp_norm, eps)
         return h

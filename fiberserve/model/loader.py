@@ -7,7 +7,7 @@ its serving layout tensor by tensor, so no float32 copy of the whole model ever
 exists.  Fused projections (Phi-3's qkv and gate/up) are split, and
 norms are stored as the factor they multiply by (Gemma's ``1 + w``, which is
 what llama.cpp's files hold).  GGUF stores Llama's q/k projections permuted for
-llama.cpp's interleaved rotary embedding; :func:`_unpermute` undoes that so
+llama.cpp's interleaved rotary embedding; :func:`unpermute` undoes that so
 the usual rotate-half RoPE gives the reference logits.
 """
 
@@ -129,7 +129,7 @@ _GGUF_NAMES = {
     "cls.output.weight": "score.weight",  # a reranker's score head (llama.cpp's name)
     "cls.output.bias": "score.bias",
 }
-_GGUF_LAYER_NAMES = {
+GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -144,7 +144,7 @@ _GGUF_LAYER_NAMES = {
     "attn_qkv": "self_attn.qkv_proj",
 }
 #: Where an architecture's GGUF layer names mean something else than Llama's.
-_GGUF_ARCH_LAYER_NAMES = {
+GGUF_ARCH_LAYER_NAMES = {
     "gemma2": {
         "ffn_norm": "pre_feedforward_layernorm",
         "post_attention_norm": "post_attention_layernorm",
@@ -152,11 +152,11 @@ _GGUF_ARCH_LAYER_NAMES = {
     },
     "phi3": {"ffn_up": "mlp.gate_up_proj"},  # gate and up rows in one matrix, gate first
 }
-_GGUF_ARCH_LAYER_NAMES["gemma3"] = _GGUF_ARCH_LAYER_NAMES["gemma2"]
+GGUF_ARCH_LAYER_NAMES["gemma3"] = GGUF_ARCH_LAYER_NAMES["gemma2"]
 _GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Invert llama.cpp's q/k row permutation (interleaved pairs -> rotate-half halves)."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -169,10 +169,10 @@ def load_gguf(path: Path) -> Checkpoint:
     weights = LazyWeights(keep_open=reader)
     freq_factors = None
     types = set()
-    layer_names = _GGUF_LAYER_NAMES | _GGUF_ARCH_LAYER_NAMES.get(config.architecture, {})
+    layer_names = GGUF_LAYER_NAMES | GGUF_ARCH_LAYER_NAMES.get(config.architecture, {})
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
-            freq_factors = _dequantized(tensor)
+            freq_factors = dequantized(tensor)
             continue
         name = _GGUF_NAMES.get(tensor.name)
         heads = None
@@ -206,7 +206,7 @@ def _file_rows(reader: Any, tensor: Any, index: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.asarray(rows, dtype=np.float32))
 
 
-def _dequantized(tensor: Any, rows: slice | np.ndarray = slice(None)) -> torch.Tensor:
+def dequantized(tensor: Any, rows: slice | np.ndarray = slice(None)) -> torch.Tensor:
     """A GGUF tensor's ``rows`` (a slice, or row indices) as a float32 tensor of its own (the file's mapping is
     read-only)."""
     import gguf
@@ -222,7 +222,7 @@ def _gguf_blocks_reader(
 ) -> Callable[[], GgufRows]:
     def read() -> GgufRows:
         blocks = GgufRows(tensor.data, tensor.tensor_type.name, release)
-        return blocks if unpermute_heads is None else blocks.map_rows(lambda t: _unpermute(t, unpermute_heads))
+        return blocks if unpermute_heads is None else blocks.map_rows(lambda t: unpermute(t, unpermute_heads))
 
     return read
 
@@ -236,7 +236,7 @@ def _gguf_typed_reader(tensor: Any, release: Callable[[], None]) -> Callable[[to
         rows = tensor.data.shape[0]
         out = None
         for start in range(0, rows, ROWS_PER_SLICE):
-            part = _dequantized(tensor, slice(start, start + ROWS_PER_SLICE))
+            part = dequantized(tensor, slice(start, start + ROWS_PER_SLICE))
             if out is None:
                 out = torch.empty(rows, part.shape[1], dtype=dtype)
             out[start : start + part.shape[0]] = part
@@ -249,9 +249,9 @@ def _gguf_typed_reader(tensor: Any, release: Callable[[], None]) -> Callable[[to
 
 def _gguf_reader(tensor: Any, unpermute_heads: int | None, release: Callable[[], None]) -> Callable[[], torch.Tensor]:
     def read() -> torch.Tensor:
-        value = _dequantized(tensor)
+        value = dequantized(tensor)
         release()
-        return value if unpermute_heads is None else _unpermute(value, unpermute_heads)
+        return value if unpermute_heads is None else unpermute(value, unpermute_heads)
 
     return read
 

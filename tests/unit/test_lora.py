@@ -1,0 +1,173 @@
+"""LoRA adapters in the model: transformers + PEFT's logits, llama.cpp's GGUF adapters, mixed batches bit for bit,
+and bad adapters named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fiberserve.model import KVCache, LlamaModel, load_checkpoint
+from fiberserve.model.lora import LoraAdapter, LoraError, LoraRows
+from tests.tiny_models import TINY, _permute, random_weights, write_hf
+from tests.unit.test_model_math import PAGE, TOKENS, prefill_batch
+
+EVERY_TARGET = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def write_peft_adapter(
+    base: Path, path: Path, rank: int, alpha: float, targets: list[str], seed: int = 0
+) -> torch.nn.Module:
+    """A PEFT adapter of random A and B for the Hugging Face model ``base``, saved by PEFT at ``path``; returns
+    transformers' float32 model with the adapter merged into its weights."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_" in name:  # PEFT starts B at zero: both random here, so every target adds something
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    peft_model.save_pretrained(str(path))
+    return peft_model.merge_and_unload().eval()
+
+
+def write_gguf_adapter(peft_dir: Path, path: Path, alpha: float) -> Path:
+    """The GGUF adapter llama.cpp's ``convert_lora_to_gguf.py`` writes from a PEFT adapter of a Llama model: GGUF
+    tensor names with ``.lora_a`` / ``.lora_b``, q and k's B rows permuted as the base's q and k are."""
+    import gguf
+    from safetensors.torch import load_file
+
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+    names |= {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    for key, tensor in sorted(load_file(str(peft_dir / "adapter_model.safetensors")).items()):
+        layer, module, half = key.split(".layers.")[1].split(".")[0], key.split(".")[-3], key.split(".")[-2]
+        value = tensor.float().numpy()
+        if half == "lora_B" and module in ("q_proj", "k_proj"):
+            value = _permute(value, TINY["num_attention_heads"] if module == "q_proj" else TINY["num_key_value_heads"])
+        writer.add_tensor(f"blk.{layer}.{names[module]}.weight.{half.lower()}", np.ascontiguousarray(value))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def adapter_logits(model: LlamaModel, adapter: LoraAdapter | None, tokens: list[int]) -> torch.Tensor:
+    cache = KVCache(model.config, 64, PAGE, model.dtype, "cpu")
+    batch = prefill_batch([(tokens, list(range(64)))])
+    if adapter is not None:
+        batch.lora = LoraRows([(adapter, torch.arange(len(tokens)))])
+    return model.forward(batch, cache)
+
+
+@pytest.mark.parametrize("rank", [8, 64])
+@pytest.mark.parametrize("base", ["hf", "gguf"])
+def test_an_adapter_gives_transformers_peft_logits_on_the_merged_model(tiny_dirs, tmp_path, rank, base):
+    """Every target module (q, k, v, o, gate, up, down) at ranks 8 and 64, over the model read from its Hugging
+    Face directory and from its GGUF file (whose q and k rows the loader un-permutes)."""
+    merged = write_peft_adapter(tiny_dirs["hf"], tmp_path / "adapter", rank, alpha=2 * rank, targets=EVERY_TARGET)
+    model = LlamaModel(load_checkpoint(tiny_dirs[base]))
+    adapter = LoraAdapter.load("tuned", tmp_path / "adapter", model.config, model.dtype, max_rank=64)
+    assert adapter.rank == rank and all(set(layer) == {"qkv", "o", "gate_up", "down"} for layer in adapter.layers)
+    with torch.no_grad():
+        reference = merged(torch.tensor([TOKENS])).logits[0]
+    ours = adapter_logits(model, adapter, TOKENS)
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
+    assert (ours - adapter_logits(model, None, TOKENS)).abs().max() > 0.05  # the adapter changes the answer
+
+
+def test_llama_cpp_s_gguf_adapter_gives_the_peft_adapter_s_logits(tiny_dirs, tmp_path):
+    write_peft_adapter(tiny_dirs["hf"], tmp_path / "peft", 8, alpha=16, targets=EVERY_TARGET, seed=4)
+    gguf_file = write_gguf_adapter(tmp_path / "peft", tmp_path / "adapter.gguf", alpha=16)
+    model = LlamaModel(load_checkpoint(tiny_dirs["gguf"]))
+    peft = LoraAdapter.load("peft", tmp_path / "peft", model.config, model.dtype, max_rank=8)
+    ours = LoraAdapter.load("gguf", gguf_file, model.config, model.dtype, max_rank=8)
+    torch.testing.assert_close(
+        adapter_logits(model, ours, TOKENS), adapter_logits(model, peft, TOKENS), atol=1e-5, rtol=0
+    )
+
+
+def test_mixed_adapters_in_one_batch_keep_every_row_s_bits(tmp_path):
+    """A flight of sequences under two adapters and the base model, prefill chunks beside decode tokens: each
+    row's logits are the bits it gets alone (the base alone runs the C++ layer loop), and an adapter of scale 0
+    gives the base model's bits."""
+    from fiberserve import kernels
+    from fiberserve.model.linear import quant_kernel_available
+
+    kernels.load()
+    if not quant_kernel_available():
+        pytest.skip("the int4 products need AVX512-VNNI or AVX2")
+    base = write_hf(tmp_path / "m", TINY, random_weights(TINY))
+    for name, seed, alpha in (("one", 1, 16), ("two", 2, 8), ("zero", 3, 0)):
+        write_peft_adapter(base, tmp_path / name, 8, alpha, EVERY_TARGET, seed)
+    dtype = torch.bfloat16 if kernels.bf16_gemm_available() else torch.float32
+    model = LlamaModel(load_checkpoint(base), dtype, quantization="int4")
+    assert model.native_layers is not None
+    one, two, zero = (LoraAdapter.load(n, tmp_path / n, model.config, dtype, 8) for n in ("one", "two", "zero"))
+    assert zero.layers == [{}, {}]  # a zero addition is none
+    a, b, c = TOKENS * 2, TOKENS[:7], TOKENS[2:] + TOKENS
+    pages = {"a": [3, 1, 4, 0, 5, 9], "b": [2, 6], "c": [7, 8, 10, 11, 12, 13]}
+    tokens = {"a": a, "b": b, "c": c}
+    adapters = {"a": one, "b": None, "c": two}
+
+    def run(names: list[str], adapters: dict) -> dict[str, torch.Tensor]:
+        """Prefill the first 6 tokens of each, then the rest in one chunk beside the others' next decode token;
+        the logits of each sequence's rows of both passes."""
+        cache = KVCache(model.config, 16, PAGE, dtype, "cpu")
+        out: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+        for start, end in ((0, 6), (6, None)):
+            seqs = [(tokens[n][: end or (len(tokens[n]) if n == "a" else start + 1)], pages[n]) for n in names]
+            batch = prefill_batch(seqs, [start] * len(names))
+            groups, row = [], 0
+            for n, (toks, _) in zip(names, seqs, strict=True):
+                if adapters[n] is not None:
+                    groups.append((adapters[n], torch.arange(row, row + len(toks) - start)))
+                row += len(toks) - start
+            batch.lora = LoraRows(groups)
+            logits, row = model.forward(batch, cache), 0
+            for n, (toks, _) in zip(names, seqs, strict=True):
+                out[n].append(logits[row : row + len(toks) - start])
+                row += len(toks) - start
+        return {n: torch.cat(parts) for n, parts in out.items()}
+
+    together = run(["a", "b", "c"], adapters)
+    for name in "abc":
+        assert torch.equal(run([name], adapters)[name], together[name]), name
+    assert not torch.equal(together["a"][:6], run(["a"], {"a": None})["a"][:6])
+    assert torch.equal(run(["b"], {"b": zero})["b"], together["b"])
+
+
+def test_adapters_that_do_not_fit_are_named(tiny_dirs, tmp_path):
+    model = LlamaModel(load_checkpoint(tiny_dirs["hf"]))
+    write_peft_adapter(tiny_dirs["hf"], tmp_path / "good", 16, 16, ["q_proj", "v_proj"])
+
+    def error_of(path: Path, max_rank: int = 64) -> str:
+        with pytest.raises(LoraError) as caught:
+            LoraAdapter.load("x", path, model.config, model.dtype, max_rank)
+        return str(caught.value)
+
+    assert "no such adapter" in error_of(tmp_path / "missing")
+    assert "rank 16 is over --max-lora-rank 8" in error_of(tmp_path / "good", max_rank=8)
+    other = dict(TINY, hidden_size=128, intermediate_size=256)  # a model of other shapes
+    write_peft_adapter(write_hf(tmp_path / "other", other, random_weights(other)), tmp_path / "wide", 8, 8, ["q_proj"])
+    assert "another base model" in error_of(tmp_path / "wide")
+    assert "wide/adapter_model.safetensors: layer 0 q_proj" in error_of(tmp_path / "wide")
+    write_peft_adapter(tiny_dirs["hf"], tmp_path / "head", 8, 8, ["lm_head"])
+    assert "unexpected tensor 'base_model.model.lm_head." in error_of(tmp_path / "head")  # not a decoder layer's
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 8}))
+    (tmp_path / "cut" / "adapter_model.safetensors").write_bytes(b"\x10\x00")
+    assert "cannot be read" in error_of(tmp_path / "cut")
+    (tmp_path / "not.gguf").write_bytes(b"GGUF\x03\x00")
+    assert "not.gguf: not a GGUF file" in error_of(tmp_path / "not.gguf")
+    assert "not a GGUF LoRA adapter" in error_of(tiny_dirs["gguf"])
