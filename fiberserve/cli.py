@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import sys
+import types
 import typing
 from pathlib import Path
 
@@ -35,8 +36,8 @@ def _add_fields(parser: argparse.ArgumentParser, cls) -> None:
         if dataclasses.is_dataclass(hints[f.name]):
             continue
         hint = hints[f.name]
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        base = args[0] if args else hint
+        optional = typing.get_origin(hint) in (typing.Union, types.UnionType)  # X | None: X
+        base = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
         default = f.default if isinstance(f.default_factory, dataclasses._MISSING_TYPE) else f.default_factory()
         shown = "" if f.name in SECRET or default is None else f" (default: {default})"
         kwargs: dict = {"dest": f.name, "default": argparse.SUPPRESS, "help": f.metadata["help"] + shown}

@@ -113,6 +113,13 @@ class EngineConfig:
         "hang_seconds, point 'start' or 'layers')",
     )
     max_n: int = setting(16, "largest n (completions per prompt) a request may ask for")
+    lora_modules: tuple[str, ...] = setting(
+        (),
+        "LoRA adapters served from the start, each NAME=PATH (a PEFT directory or a GGUF adapter) or vLLM's JSON "
+        '{"name": ..., "path": ...}; a request selects one by naming it as its model (SGLang: lora_path)',
+    )
+    max_loras: int = setting(8, "most LoRA adapters loaded at once (--lora-modules and POST /v1/load_lora_adapter)")
+    max_lora_rank: int = setting(64, "highest LoRA rank an adapter may have")
     check_integrity: bool = setting(
         False,
         "check the engine's invariants (pages, references, queues, fibers: LlmService.check_integrity) each time "

@@ -91,7 +91,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         args.workload,
         url=args.url,
         api=args.api,
-        model=args.model,
+        model=args.model[0] if args.model and len(args.model) == 1 else None,
+        models=tuple(args.model) if args.model and len(args.model) > 1 else (),
         requests=args.requests,
         duration_s=args.duration,
         prompt_words=args.prompt_words,
@@ -307,7 +308,9 @@ def main(argv: list[str]) -> int:
     run = sub.add_parser("run", help="load one server (loopback only)")
     run.add_argument("--url", default="http://127.0.0.1:8000")
     run.add_argument("--api", choices=["openai", "sglang"], default="openai")
-    run.add_argument("--model", help="model name to send (OpenAI API)")
+    run.add_argument(
+        "--model", nargs="+", help="model name to send (OpenAI API); several: the requests take them in turn"
+    )
     run.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16, 64], help="closed-loop levels")
     run.add_argument("--rate", type=float, nargs="*", default=[], help="open-loop request rates (req/s)")
     run.add_argument("--requests", type=int, default=32, help="requests per level, at least")

@@ -96,6 +96,8 @@ class LoadSpec:
     url: str
     api: str = "openai"  # openai | sglang
     model: str | None = None
+    #: Model names the requests take in turn (e.g. LoRA adapters, the base among them or not); empty: ``model``.
+    models: tuple[str, ...] = ()
     concurrency: int = 1
     rate: float | None = None  # requests/s, open loop; None = closed loop
     requests: int = 64
@@ -180,7 +182,7 @@ def _body(spec: LoadSpec, prompt: str, index: int) -> tuple[str, dict]:
         "stream": spec.stream,
         "ignore_eos": spec.ignore_eos,
     }
-    return "/v1/completions", _openai_extras(spec, body)
+    return "/v1/completions", _openai_extras(spec, body, index)
 
 
 def _chat_body(spec: LoadSpec, question: str, index: int) -> dict:
@@ -192,13 +194,15 @@ def _chat_body(spec: LoadSpec, question: str, index: int) -> dict:
     }
     if spec.seeded:
         body["seed"] = spec.seed * 100_000 + index
-    return _openai_extras(spec, body)
+    return _openai_extras(spec, body, index)
 
 
-def _openai_extras(spec: LoadSpec, body: dict) -> dict:
-    """``body`` with the model named (where given) and, streamed, the usage asked for in the last chunk."""
-    if spec.model:
-        body["model"] = spec.model
+def _openai_extras(spec: LoadSpec, body: dict, index: int) -> dict:
+    """Request ``index``'s ``body`` with its model named (where given) and, streamed, the usage asked for in the
+    last chunk."""
+    model = spec.models[index % len(spec.models)] if spec.models else spec.model
+    if model:
+        body["model"] = model
     if spec.stream:
         body["stream_options"] = {"include_usage": True}
     return body

@@ -22,9 +22,15 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 _ROOT = 0
+
+
+def root_of(namespace: int) -> Hashable:
+    """The trie's root of a namespace: the base model's (0), or a LoRA adapter's (its ``uid``), whose K/V differ
+    from the base's for the same tokens."""
+    return _ROOT if namespace == 0 else ("adapter", namespace)
 
 
 class PagePool:
@@ -39,8 +45,8 @@ class PagePool:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._refs = [0] * num_pages
         self._node_of_page: dict[int, int] = {}  # page -> trie node id
-        self._page_of_key: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent node, tokens) -> page
-        self._key_of_page: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._page_of_key: dict[tuple[Hashable, tuple[int, ...]], int] = {}  # (parent node, tokens) -> page
+        self._key_of_page: dict[int, tuple[Hashable, tuple[int, ...]]] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached pages, oldest first
         self._node_ids = itertools.count(1)
         self._quarantined: dict[str, list[int]] = {}  # holder -> the page references it keeps
@@ -150,8 +156,9 @@ class PagePool:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def match_prefix(self, tokens: Sequence[int]) -> list[int]:
-        """Hold and return the cached pages that spell the longest full-page prefix of ``tokens``.
+    def match_prefix(self, tokens: Sequence[int], namespace: int = 0) -> list[int]:
+        """Hold and return the cached pages that spell the longest full-page prefix of ``tokens`` in
+        ``namespace`` (0: the base model's; a LoRA adapter's pages are its own: :func:`root_of`).
 
         At least one token is always left uncovered: the last prompt token must
         be computed to produce the next token's logits.
@@ -161,7 +168,7 @@ class PagePool:
         ps = self.page_size
         self.queries += 1
         pages: list[int] = []
-        parent = _ROOT
+        parent = root_of(namespace)
         for i in range((len(tokens) - 1) // ps):
             page = self._page_of_key.get((parent, tuple(tokens[i * ps : (i + 1) * ps])))
             if page is None:
@@ -175,8 +182,8 @@ class PagePool:
             self.hits += 1
         return pages
 
-    def register(self, pages: Sequence[int], tokens: Sequence[int], already: int) -> int:
-        """Offer the full pages ``pages[already:]`` (spelling ``tokens``) to the prefix cache.
+    def register(self, pages: Sequence[int], tokens: Sequence[int], already: int, namespace: int = 0) -> int:
+        """Offer the full pages ``pages[already:]`` (spelling ``tokens`` in ``namespace``) to the prefix cache.
 
         Returns how many leading pages are now registered (``already`` grows by
         one per full page).  A page whose prefix is already cached under
@@ -186,7 +193,7 @@ class PagePool:
             return already
         ps = self.page_size
         full = min(len(tokens) // ps, len(pages))
-        parent = self._node_of_page.get(pages[already - 1], None) if already else _ROOT
+        parent = self._node_of_page.get(pages[already - 1], None) if already else root_of(namespace)
         for i in range(already, full):
             page = pages[i]
             if parent is None:

@@ -20,6 +20,7 @@ from fiberserve.engine.sampler import race_parameters, sample, score_tokens
 from fiberserve.engine.sequence_output import TokenLogprob
 from fiberserve.model.batch import ForwardBatch, KVCache, SequenceSpan
 from fiberserve.model.llama import LlamaModel
+from fiberserve.model.lora import LoraAdapter, LoraRows
 from fiberserve.model.small_tensors import tensor_of
 
 
@@ -45,13 +46,15 @@ class ModelRunner:
         """The flight as one flat batch, built in Python lists (a few microseconds per item) and turned
         into tensors once: tensor ops per item would cost more than the step's sampling.  Its logit rows are, item
         by item, the rows scoring prompt tokens (``scored_prompt``), the rows an embedding pools
-        (``pooled_positions``), then the picking rows (``sample_rows``)."""
+        (``pooled_positions``), then the picking rows (``sample_rows``).  The rows of sequences under a LoRA adapter
+        are grouped by adapter."""
         page_size = self.page_size
         tokens: list[int] = []
         positions: list[int] = []
         write_slots: list[int] = []
         spans: list[SequenceSpan] = []
         logit_rows: list[int] = []
+        adapted: dict[int, tuple[LoraAdapter, list[int]]] = {}
         row = 0
         for item in items:
             end = item.start + item.length
@@ -63,6 +66,8 @@ class ModelRunner:
             positions.extend(range(item.start, end))
             write_slots.extend(item.pages[p // page_size] * page_size + p % page_size for p in range(item.start, end))
             spans.append(SequenceSpan(row, item.length, end, pages=item.pages))
+            if (adapter := item.seq.adapter) is not None:
+                adapted.setdefault(adapter.uid, (adapter, []))[1].extend(range(row, row + item.length))
             logit_rows.extend(row + p - item.start for p in item.scored_prompt)
             logit_rows.extend(row + p - item.start for p in item.pooled_positions)
             row += item.length
@@ -73,6 +78,7 @@ class ModelRunner:
             write_slots=tensor_of(write_slots, torch.long),
             spans=spans,
             logit_rows=tensor_of(logit_rows, torch.long),
+            lora=LoraRows([(adapter, tensor_of(rows, torch.long)) for adapter, rows in adapted.values()]),
         )
 
     def __call__(self, flight: Flight) -> FlightResult:

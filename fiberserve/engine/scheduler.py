@@ -112,7 +112,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> bool:
         # A prompt being scored (or mean-pooled) is computed whole: cached pages would skip rows it needs.
-        matched = [] if seq.computes_whole_prompt else self.pages.match_prefix(seq.tokens)
+        matched = [] if seq.computes_whole_prompt else self.pages.match_prefix(seq.tokens, seq.adapter_uid)
         first_admission = seq.preemptions == 0
         seq.pages, seq.num_computed = matched, len(matched) * self.pages.page_size
         seq.registered_pages = len(matched)
@@ -241,7 +241,7 @@ class Scheduler:
             seq.num_computed = item.computed_after(kept)
             if seq.num_computed // self.pages.page_size > seq.registered_pages:  # a page just filled up
                 seq.registered_pages = self.pages.register(
-                    seq.pages, seq.tokens[: seq.num_computed], seq.registered_pages
+                    seq.pages, seq.tokens[: seq.num_computed], seq.registered_pages, seq.adapter_uid
                 )
         return total
 

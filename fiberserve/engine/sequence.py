@@ -15,6 +15,7 @@ from fiberserve.engine.sampling_noise import sampling_key
 from fiberserve.engine.sampling_params import SamplingParams
 from fiberserve.engine.sampling_state import SamplingState
 from fiberserve.engine.sequence_output import EventForwarder, SequenceEvent, SequenceOutput, TokenLogprob
+from fiberserve.model.lora import LoraAdapter
 from fiberserve.model.tokenizer import IncrementalDetokenizer
 
 _ids = itertools.count()
@@ -55,16 +56,20 @@ class Sequence:
         eos_token_ids: frozenset[int],
         max_context: int,
         seed: int | None = None,
+        adapter: LoraAdapter | None = None,
     ) -> None:
         """``detokenizer``: None for a sequence that generates nothing (an embedding).  ``seed``: what keys the
         sampling noise, with ``index`` (the request's seed, or one the engine drew for it); None: the request's
-        seed, or a random one."""
+        seed, or a random one.  ``adapter``: the LoRA adapter it runs under (None: the base model)."""
         self.uid = next(_ids)
         self.request_id = request_id
         self.index = index  #: which of the request's n completions
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params
+        self.adapter = adapter
+        #: The prefix cache's namespace of this sequence's pages: its adapter's (0: the base model's).
+        self.adapter_uid = 0 if adapter is None else adapter.uid
         self.status = Status.WAITING
         self.pages: list[int] = []
         self.num_computed = 0  #: leading tokens whose K/V are in the cache

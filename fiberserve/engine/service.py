@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import os
 import random
@@ -33,6 +34,7 @@ import torch
 
 from fiberserve import kernels
 from fiberserve.config import EngineConfig
+from fiberserve.engine.adapters import AdapterNotFound, Adapters, lora_module
 from fiberserve.engine.faults import FaultInjector
 from fiberserve.engine.flight import Flight, FlightResult, Takeoffs
 from fiberserve.engine.grammar import GrammarCompiler, GrammarState
@@ -208,6 +210,12 @@ class Request:
     prompt_ids: list[int]
     seqs: list[Sequence]
 
+    @property
+    def adapter(self) -> str | None:
+        """The name of the LoRA adapter the request runs under (None: the base model)."""
+        adapter = self.seqs[0].adapter
+        return None if adapter is None else adapter.name
+
     def output(self) -> RequestOutput:
         return RequestOutput(
             request_id=self.id,
@@ -297,6 +305,7 @@ class LlmService:
         self.scheduler = Scheduler(
             self.pages, config.max_running, config.max_batch_tokens, config.decode_steps, config.speculative_tokens
         )
+        self.adapters = Adapters(model.config, model.dtype, config.max_loras, config.max_lora_rank)
         self.faults = FaultInjector(config.fault_rate)
         #: Why the engine refuses work: an invariant that ``config.check_integrity`` found broken.
         self.broken: str | None = None
@@ -340,6 +349,9 @@ class LlmService:
             if template is not None:
                 tokenizer.use_chat_template(template)
             service = cls(config, model, tokenizer, path, grammars)
+            for name, adapter_path in map(lora_module, config.lora_modules):
+                service.adapters.add(service.adapters.read(name, adapter_path), service.base_names)
+                log.info("LoRA adapter %r served from %s", name, adapter_path)
         trim_freed_memory()
         keep_freed_buffers()
         return service
@@ -347,6 +359,28 @@ class LlmService:
     @property
     def model_name(self) -> str:
         return DEFAULT_MODEL_NAME if self.config.model is None else Path(self.model_path).stem
+
+    @property
+    def base_names(self) -> frozenset[str]:
+        """Names no adapter may take: the base model's."""
+        return frozenset({self.model_name})
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    async def load_adapter(self, name: str, path: str, reserved: frozenset[str] = frozenset()) -> None:
+        """Serve the adapter at ``path`` as ``name`` (read off the event loop); InvalidParameter naming
+        ``lora_name`` or ``lora_path`` where it cannot be (``reserved``: more names taken, e.g. the server's)."""
+        reserved = reserved | self.base_names
+        self.adapters.check_new(name, reserved)
+        adapter = await asyncio.to_thread(self.adapters.read, name, path)
+        self.adapters.add(adapter, reserved)  # checked again: another load may have taken the name meanwhile
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name``: :class:`.AdapterNotFound`, or :class:`.AdapterInUse` while an unfinished
+        sequence runs under it.  Its cached prefix pages are never matched again and age out of the cache."""
+        adapter = self.adapters.get(name)
+        users = sum(seq.adapter is adapter for seq in itertools.chain(self.scheduler.waiting, self.scheduler.running))
+        self.adapters.remove(name, users)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -510,11 +544,20 @@ class LlmService:
                 f"({self.pages.num_pages * self.pages.page_size} tokens: raise --kv-cache-mb)",
             )
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
-        """Validate and queue a request; its sequences start streaming events at once.  Raises RuntimeError once
-        an integrity check has found the engine broken."""
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, adapter: str | None = None
+    ) -> Request:
+        """Validate and queue a request, run under the LoRA adapter named ``adapter`` (None: the base model); its
+        sequences start streaming events at once.  Raises RuntimeError once an integrity check has found the
+        engine broken."""
         if self.broken is not None:
             raise RuntimeError(self.broken)
+        lora = None
+        if adapter is not None:
+            try:
+                lora = self.adapters.get(adapter)
+            except AdapterNotFound:
+                raise InvalidParameter("model", f"no LoRA adapter {adapter!r} is loaded") from None
         room = self.max_context - len(prompt_ids)
         if params.max_new_tokens_by_default and 0 < room < params.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=room)
@@ -534,6 +577,7 @@ class LlmService:
                 self.tokenizer.eos_token_ids,
                 self.max_context,
                 seed,
+                lora,
             )
             for i in range(params.n)
         ]
@@ -588,14 +632,18 @@ class LlmService:
             raise
         return request.output()
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None):
-        return await self.wait(self.submit(prompt_ids, params, request_id))
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, adapter: str | None = None
+    ) -> RequestOutput:
+        return await self.wait(self.submit(prompt_ids, params, request_id, adapter))
 
-    async def embed(self, prompt_ids: list[int], pooling: str, request_id: str | None = None) -> torch.Tensor:
+    async def embed(
+        self, prompt_ids: list[int], pooling: str, request_id: str | None = None, adapter: str | None = None
+    ) -> torch.Tensor:
         """The prompt's embedding: its final hidden states pooled (``last`` or ``mean``), float32 [hidden], not
         normalized; batched with the other requests like a prefill.  Raises InvalidParameter for a prompt the
         engine cannot take, :class:`RequestFailed` where it ends otherwise (an abort, an error)."""
-        request = self.submit(prompt_ids, SamplingParams(max_new_tokens=0, pooling=pooling), request_id)
+        request = self.submit(prompt_ids, SamplingParams(max_new_tokens=0, pooling=pooling), request_id, adapter)
         await self.wait(request)
         seq = request.seqs[0]
         if seq.finish_reason is not FinishReason.STOP:

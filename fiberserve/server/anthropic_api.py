@@ -75,11 +75,11 @@ def _event(kind: str, data: dict) -> str:
 async def messages(body: MessagesRequest, request: Request) -> Response:
     state = _state(request)
     state.ready_service()
-    state.check_model(body.model)
+    adapter = state.check_model(body.model)
     prompt, params, render = prepare_chat(state, translated(body.chat_request, _NAMES, "messages"))
     message_id = f"msg_{uuid.uuid4().hex}"
-    [engine_request] = state.submit(request, [prompt], params, [message_id], _NAMES)
-    head = {"id": message_id, "type": "message", "role": "assistant", "model": state.model_name}
+    [engine_request] = state.submit(request, [prompt], params, [message_id], _NAMES, adapter)
+    head = {"id": message_id, "type": "message", "role": "assistant", "model": state.name_of(adapter)}
     if body.stream:
         return StreamingResponse(_stream(state, request, engine_request, render, head), media_type="text/event-stream")
     outputs = await state.collect(request, [engine_request])

@@ -22,6 +22,7 @@ from fiberserve.engine import LlmService
 from fiberserve.server import (
     anthropic_api,
     embeddings_api,
+    lora_api,
     native_api,
     openai_api,
     responses_api,
@@ -76,6 +77,7 @@ def create_app(
     app.include_router(responses_api.router)
     app.include_router(tokenize_api.router)
     app.include_router(embeddings_api.router)
+    app.include_router(lora_api.router)
     # Starlette types a handler's exception as Exception; each of these is only called with its own class.
     app.add_exception_handler(ApiError, handle_api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, handle_validation_error)  # type: ignore[arg-type]

@@ -40,9 +40,13 @@ def _pooling(state: ServerState, service: LlmService) -> str:
     return service.model.config.pooling if service.model.config.pooling in ("last", "mean") else "last"
 
 
-async def _pool(http: Request, state: ServerState, prompts: list[list[int]], pooling: str) -> list[torch.Tensor] | None:
-    """Each prompt's pooled final hidden state (not normalized), all submitted at once; None if the client left."""
-    requests = state.submit(http, prompts, SamplingParams(max_new_tokens=0, pooling=pooling), None, _RENAME)
+async def _pool(
+    http: Request, state: ServerState, prompts: list[list[int]], pooling: str, adapter: str | None
+) -> list[torch.Tensor] | None:
+    """Each prompt's pooled final hidden state (not normalized) under ``adapter`` (None: the base model), all
+    submitted at once; None if the client left."""
+    params = SamplingParams(max_new_tokens=0, pooling=pooling)
+    requests = state.submit(http, prompts, params, None, _RENAME, adapter)
     if await state.collect(http, requests) is None:
         return None
     return [r.seqs[0].output.pooled() for r in requests]
@@ -52,7 +56,7 @@ async def _pool(http: Request, state: ServerState, prompts: list[list[int]], poo
 async def embeddings(body: EmbeddingRequest, http: Request) -> dict | None:
     state = _state(http)
     service = state.ready_service()
-    state.check_model(body.model)
+    adapter = state.check_model(body.model)
     hidden = service.model.config.hidden_size
     try:
         body.refuse_unhonoured()
@@ -68,7 +72,7 @@ async def embeddings(body: EmbeddingRequest, http: Request) -> dict | None:
             raise ApiError(400, "input: a text must not be empty", "input")
         prompts = [service.tokenizer.encode(text, add_special_tokens=body.add_special_tokens) for text in texts]
     assert prompts is not None
-    vectors = await _pool(http, state, prompts, _pooling(state, service))
+    vectors = await _pool(http, state, prompts, _pooling(state, service), adapter)
     if vectors is None:
         return None
     data = []
@@ -85,7 +89,7 @@ async def embeddings(body: EmbeddingRequest, http: Request) -> dict | None:
     return {
         "object": "list",
         "data": data,
-        "model": state.model_name,
+        "model": state.name_of(adapter),
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
 
@@ -110,16 +114,19 @@ def _relevance(service: LlmService, pooled: torch.Tensor) -> float:
     return float(torch.sigmoid(scores[0]) if scores.numel() == 1 else torch.softmax(scores, dim=0)[0])
 
 
-async def _relevances(http: Request, state: ServerState, body: RerankRequest) -> list[float] | None:
+async def _relevances(
+    http: Request, state: ServerState, body: RerankRequest, adapter: str | None
+) -> list[float] | None:
     service = state.ready_service()
     if service.model.score_head is not None:
         prompts = [_rerank_prompt(service, body.query, document) for document in body.documents]
-        pooled = await _pool(http, state, prompts, "last")
+        pooled = await _pool(http, state, prompts, "last", adapter)
         return None if pooled is None else [_relevance(service, p) for p in pooled]
     texts = [body.query, *body.documents]
     if any(not text for text in texts):
         raise ApiError(400, "query: the query and the documents must not be empty", "query")
-    vectors = await _pool(http, state, [service.tokenizer.encode(text) for text in texts], _pooling(state, service))
+    prompts = [service.tokenizer.encode(text) for text in texts]
+    vectors = await _pool(http, state, prompts, _pooling(state, service), adapter)
     if vectors is None:
         return None
     query = F.normalize(vectors[0], dim=0)
@@ -132,12 +139,12 @@ async def _relevances(http: Request, state: ServerState, body: RerankRequest) ->
 async def rerank(body: RerankRequest, http: Request) -> dict | None:
     state = _state(http)
     state.ready_service()
-    state.check_model(body.model)
+    adapter = state.check_model(body.model)
     try:
         body.refuse_unhonoured()
     except InvalidParameter as exc:
         raise from_engine(exc) from None
-    scores = await _relevances(http, state, body)
+    scores = await _relevances(http, state, body, adapter)
     if scores is None:
         return None
     order = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n or None]
@@ -149,7 +156,7 @@ async def rerank(body: RerankRequest, http: Request) -> dict | None:
         results.append(result)
     return {
         "id": f"rerank-{uuid.uuid4().hex}",
-        "model": state.model_name,
+        "model": state.name_of(adapter),
         "created": int(time.time()),
         "usage": {"total_tokens": http.state.prompt_tokens},
         "results": results,

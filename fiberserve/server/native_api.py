@@ -250,6 +250,21 @@ def _prompts(state: ServerState, body: GenerateRequest) -> tuple[list[list[int]]
     return prompts, batched
 
 
+def _adapters(state: ServerState, lora_path: str | list[str | None] | None, prompts: int) -> list[str | None]:
+    """Each prompt's LoRA adapter from SGLang's ``lora_path``: a served adapter's name, one for every prompt or
+    a list with one per prompt (None or the base model's name: the base model)."""
+    names = lora_path if isinstance(lora_path, list) else [lora_path] * prompts
+    if len(names) != prompts:
+        message = f"lora_path: {len(names)} adapters for {prompts} prompts (give one per prompt)"
+        raise ApiError(400, message, "lora_path")
+    loaded = state.ready_service().adapters.loaded
+    for name in names:
+        if name is not None and name != state.model_name and name not in loaded:
+            served = ", ".join(map(repr, loaded)) or "none"
+            raise ApiError(400, f"lora_path: no LoRA adapter {name!r} is loaded (loaded: {served})", "lora_path")
+    return [None if name == state.model_name else name for name in names]
+
+
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> Response:
     state = _state(request)
@@ -269,7 +284,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         raise ApiError(
             400, f"logprob_start_len: {start} is past the prompt's {min(map(len, prompts))} tokens", "logprob_start_len"
         )
-    requests = state.submit(request, prompts, params, rids)
+    requests = state.submit(request, prompts, params, rids, None, _adapters(state, body.lora_path, len(prompts)))
     logprob = LogprobAsk.of(body, state.ready_service().tokenizer)
     many = batched or params.n > 1
     if body.stream:

@@ -62,20 +62,22 @@ def _usage(requests: list[EngineRequest]) -> dict:
 @router.get("/models")
 async def models(request: Request) -> dict:
     state = _state(request)
-    state.ready_service()
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": state.model_name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "fiberserve",
-                "root": state.ready_service().model_path,
-                "max_model_len": state.ready_service().max_context,  # vLLM's field: clients size prompts by it
-            }
-        ],
+    service = state.ready_service()
+    base = {
+        "id": state.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "fiberserve",
+        "root": service.model_path,
+        "parent": None,
+        "max_model_len": service.max_context,  # vLLM's field: clients size prompts by it
     }
+    # Each LoRA adapter is a model of its own whose parent is the base (vLLM's convention).
+    adapters = [
+        {**base, "id": name, "root": adapter.path, "parent": state.model_name}
+        for name, adapter in service.adapters.loaded.items()
+    ]
+    return {"object": "list", "data": [base, *adapters]}
 
 
 def _completion_logprobs(state: ServerState, lps: list[TokenLogprob], first: int | None = None) -> dict:
@@ -113,11 +115,12 @@ async def _serve(
     stream: bool,
     include_usage: bool,
     render,
+    adapter: str | None,
 ) -> Response:
     # The engine's request ids are the answer's id (one per prompt, as vLLM numbers them), so that the access
     # log, the metrics and a 500's message name what the client saw.
     rids = [render.id] if len(prompts) == 1 else [f"{render.id}-{i}" for i in range(len(prompts))]
-    requests = state.submit(request, prompts, params, rids, names)
+    requests = state.submit(request, prompts, params, rids, names, adapter)
     if stream:
         return StreamingResponse(render.stream(state, request, requests, include_usage), media_type="text/event-stream")
     outputs = await state.collect(request, requests)
@@ -156,7 +159,7 @@ class _Completions:
             "id": self.id,
             "object": self.object,
             "created": self.created,
-            "model": state.model_name,
+            "model": state.name_of(requests[0].adapter),
             "choices": choices,
             "usage": _usage(requests),
         }
@@ -269,7 +272,7 @@ class _ChatCompletions(_Completions):
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = _state(request)
     state.ready_service()
-    state.check_model(body.model)
+    adapter = state.check_model(body.model)
     if refused := body.unsupported():
         raise from_engine(refused, _OPENAI_NAMES)
     prompt = body.prompt
@@ -301,7 +304,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             raise from_engine(exc, _OPENAI_NAMES) from None
         echo = texts or [service.tokenizer.decode(p, params.skip_special_tokens) for p in prompts]
     render = _Completions(params.logprobs, echo)
-    return await _serve(request, state, prompts, params, _OPENAI_NAMES, body.stream, include_usage, render)
+    return await _serve(request, state, prompts, params, _OPENAI_NAMES, body.stream, include_usage, render, adapter)
 
 
 def _think_markers(
@@ -345,7 +348,7 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[list[
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = _state(request)
     state.ready_service()
-    state.check_model(body.model)
+    adapter = state.check_model(body.model)
     prompt, params, render = prepare_chat(state, body)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return await _serve(request, state, [prompt], params, _CHAT_NAMES, body.stream, include_usage, render)
+    return await _serve(request, state, [prompt], params, _CHAT_NAMES, body.stream, include_usage, render, adapter)

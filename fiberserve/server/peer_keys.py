@@ -50,7 +50,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "functions": (),
     "function_call": (),
     # SGLang's extras
-    "lora_path": (),
     "return_hidden_states": (False,),
     "custom_logit_processor": (),
 }

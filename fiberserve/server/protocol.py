@@ -198,6 +198,8 @@ class GenerateRequest(Body):
     return_text_in_logprobs: StrictBool | None = None  # each logprob entry carries its token's text
     image_data: Any = None  # refused: the models served read text only
     rid: str | list[str] | None = None
+    #: The LoRA adapter each prompt runs under, by its served name (one for all, or one per prompt; None: the base).
+    lora_path: str | list[str | None] | None = None
 
     def input_logprobs_from(self) -> int | None:
         """Where the input's logprobs start, if asked for: ``logprob_start_len`` where it is >= 0; where it is
@@ -392,3 +394,16 @@ class DetokenizeRequest(Lenient):
 
     model: str | None = None
     tokens: list[Int]
+
+
+class LoadLoraRequest(Body):
+    """vLLM's ``POST /v1/load_lora_adapter`` (SGLang's ``/load_lora_adapter``)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(Body):
+    """vLLM's ``POST /v1/unload_lora_adapter`` (SGLang's ``/unload_lora_adapter``)."""
+
+    lora_name: str

@@ -141,7 +141,7 @@ def _call_item(call_id: str, name: str, arguments: str, status: str, item_id: st
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state = _state(request)
     state.ready_service()
-    state.check_model(body.model)
+    adapter = state.check_model(body.model)
     store = _store(request)
     history: list[ChatMessage] = []
     if body.previous_response_id is not None:
@@ -152,8 +152,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         history = [m.model_copy() for m in kept.conversation]
     chat = translated(lambda: body.chat_request(history), _NAMES, "input")
     prompt, params, render = prepare_chat(state, chat)
-    response = _Response(body, chat, state.model_name)
-    [engine_request] = state.submit(request, [prompt], params, [response.id], _NAMES)
+    response = _Response(body, chat, state.name_of(adapter))
+    [engine_request] = state.submit(request, [prompt], params, [response.id], _NAMES, adapter)
     if body.stream:
         events = _stream(state, request, engine_request, render, response, store)
         return StreamingResponse(events, media_type="text/event-stream")

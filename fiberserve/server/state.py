@@ -62,12 +62,20 @@ class ServerState:
             raise ApiError(503, message, kind="unavailable", headers={"Retry-After": "1"})
         return self.service
 
-    def check_model(self, model: str | None) -> None:
-        """A request naming another model than the one served is refused (404), as vLLM does."""
-        if model and model != self.model_name:
-            raise ApiError(
-                404, f"model {model!r} is not served here; try {self.model_name!r}", "model", kind="not_found_error"
-            )
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model, by its name or none); a request
+        naming a model not served is refused (404), as vLLM does."""
+        if not model or model == self.model_name:
+            return None
+        adapters = self.ready_service().adapters.loaded
+        if model in adapters:
+            return model
+        served = ", ".join(repr(name) for name in [self.model_name, *adapters])
+        raise ApiError(404, f"model {model!r} is not served here; try {served}", "model", kind="not_found_error")
+
+    def name_of(self, adapter: str | None) -> str:
+        """The model an answer names: the adapter it ran under, else the base model."""
+        return adapter or self.model_name
 
     def encode(self, text: str, field: str) -> list[int]:
         if not text:
@@ -100,14 +108,17 @@ class ServerState:
         params: SamplingParams,
         rids: list[str] | None,
         rename: dict[str, str] | None = None,
+        adapters: list[str | None] | str | None = None,
     ) -> list[Request]:
-        """Submit every prompt or none: a refusal of one aborts those already queued (nothing ran yet:
-        no await separates the submissions).  The access log line of ``http`` gets their ids and prompt tokens."""
+        """Submit every prompt or none, each under its LoRA adapter (``adapters``: one for all, or one per prompt;
+        None: the base model): a refusal of one aborts those already queued (nothing ran yet: no await separates
+        the submissions).  The access log line of ``http`` gets their ids and prompt tokens."""
         service = self.ready_service()
         requests: list[Request] = []
+        per_prompt = adapters if isinstance(adapters, list) else [adapters] * len(prompts)
         try:
             for i, ids in enumerate(prompts):
-                requests.append(service.submit(ids, params, rids[i] if rids else None))
+                requests.append(service.submit(ids, params, rids[i] if rids else None, per_prompt[i]))
         except Exception as exc:
             for r in requests:
                 service.abort(r)

@@ -24,6 +24,7 @@ def test_the_help_shows_each_settings_own_text_and_default(capsys):
         flag = "--" + f.name.replace("_", "-")
         assert flag in shown and "".join(f.metadata["help"].split()) in shown, f.name
     assert "(default:512)" in shown and "{" + ",".join(TOOL_CALL_PARSERS) + "}" in shown
+    assert "[--lora-modules[LORA_MODULES...]]" in shown and "[--cors-origins[CORS_ORIGINS...]]" in shown  # lists
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--dtype", "float16"), ("--log-level", "loud"), ("--isolation", "x")])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fiberserve.bench.cli import _levels
-from fiberserve.bench.loadgen import LoadSpec, _carries_text, make_prompts
+from fiberserve.bench.loadgen import LoadSpec, _body, _carries_text, make_prompts
 
 
 def test_prompts_are_distinct_and_reproducible():
@@ -37,3 +37,11 @@ def test_every_level_gets_prompts_of_its_own():
 )
 def test_time_to_first_token_waits_for_text(chunk, has_text):
     assert _carries_text(chunk) is has_text
+
+
+@pytest.mark.parametrize("workload", ["forced", "chat"])
+def test_requests_take_several_models_in_turn(workload):
+    spec = LoadSpec(url="http://x", workload=workload, models=("base", "one", "two"))
+    assert [_body(spec, "hi", i)[1]["model"] for i in range(5)] == ["base", "one", "two", "base", "one"]
+    assert _body(LoadSpec(url="http://x", workload=workload, model="m"), "hi", 3)[1]["model"] == "m"
+    assert "model" not in _body(LoadSpec(url="http://x", workload=workload), "hi", 0)[1]

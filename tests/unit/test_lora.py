@@ -6,60 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from fiberserve.model import KVCache, LlamaModel, load_checkpoint
 from fiberserve.model.lora import LoraAdapter, LoraError, LoraRows
-from tests.tiny_models import TINY, _permute, random_weights, write_hf
+from tests.lora_adapters import EVERY_TARGET, write_gguf_adapter, write_peft_adapter
+from tests.tiny_models import TINY, random_weights, write_hf
 from tests.unit.test_model_math import PAGE, TOKENS, prefill_batch
-
-EVERY_TARGET = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def write_peft_adapter(
-    base: Path, path: Path, rank: int, alpha: float, targets: list[str], seed: int = 0
-) -> torch.nn.Module:
-    """A PEFT adapter of random A and B for the Hugging Face model ``base``, saved by PEFT at ``path``; returns
-    transformers' float32 model with the adapter merged into its weights."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in peft_model.named_parameters():
-            if "lora_" in name:  # PEFT starts B at zero: both random here, so every target adds something
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
-    peft_model.save_pretrained(str(path))
-    return peft_model.merge_and_unload().eval()
-
-
-def write_gguf_adapter(peft_dir: Path, path: Path, alpha: float) -> Path:
-    """The GGUF adapter llama.cpp's ``convert_lora_to_gguf.py`` writes from a PEFT adapter of a Llama model: GGUF
-    tensor names with ``.lora_a`` / ``.lora_b``, q and k's B rows permuted as the base's q and k are."""
-    import gguf
-    from safetensors.torch import load_file
-
-    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
-    names |= {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_type(gguf.GGUFType.ADAPTER)
-    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
-    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
-    for key, tensor in sorted(load_file(str(peft_dir / "adapter_model.safetensors")).items()):
-        layer, module, half = key.split(".layers.")[1].split(".")[0], key.split(".")[-3], key.split(".")[-2]
-        value = tensor.float().numpy()
-        if half == "lora_B" and module in ("q_proj", "k_proj"):
-            value = _permute(value, TINY["num_attention_heads"] if module == "q_proj" else TINY["num_key_value_heads"])
-        writer.add_tensor(f"blk.{layer}.{names[module]}.weight.{half.lower()}", np.ascontiguousarray(value))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def adapter_logits(model: LlamaModel, adapter: LoraAdapter | None, tokens: list[int]) -> torch.Tensor:
@@ -88,7 +42,8 @@ def test_an_adapter_gives_transformers_peft_logits_on_the_merged_model(tiny_dirs
 
 def test_llama_cpp_s_gguf_adapter_gives_the_peft_adapter_s_logits(tiny_dirs, tmp_path):
     write_peft_adapter(tiny_dirs["hf"], tmp_path / "peft", 8, alpha=16, targets=EVERY_TARGET, seed=4)
-    gguf_file = write_gguf_adapter(tmp_path / "peft", tmp_path / "adapter.gguf", alpha=16)
+    heads = (TINY["num_attention_heads"], TINY["num_key_value_heads"])
+    gguf_file = write_gguf_adapter(tmp_path / "peft", tmp_path / "adapter.gguf", alpha=16, heads=heads)
     model = LlamaModel(load_checkpoint(tiny_dirs["gguf"]))
     peft = LoraAdapter.load("peft", tmp_path / "peft", model.config, model.dtype, max_rank=8)
     ours = LoraAdapter.load("gguf", gguf_file, model.config, model.dtype, max_rank=8)

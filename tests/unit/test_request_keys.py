@@ -32,10 +32,10 @@ def test_a_boolean_is_not_taken_for_a_neutral_number_and_generate_refuses_at_bot
     with pytest.raises(InvalidParameter, match="mirostat"):
         chat(mirostat=False).params()  # False == 0, but a client that sent a boolean meant something else
     chat(mirostat=0, mirostat_tau=5.0, dry_base=1.75, xtc_threshold=0.1, some_unknown_key=1).params()
-    for body in ({"text": "hi", "lora_path": "x"}, {"text": "hi", "sampling_params": {"typical_p": 0.5}}):
+    for body in ({"text": "hi", "custom_logit_processor": "x"}, {"text": "hi", "sampling_params": {"typical_p": 0.5}}):
         with pytest.raises(InvalidParameter) as refused:
             GenerateRequest.model_validate(body).params()
-        assert refused.value.field in ("lora_path", "typical_p")
+        assert refused.value.field in ("custom_logit_processor", "typical_p")
 
 
 @pytest.mark.parametrize(
