@@ -61,19 +61,25 @@ class Worker:
         asyncio.set_event_loop(self._loop)
         try:
             while (item := self._queue.get()) is not _STOP:
-                future, fn, args = item
-                if not future.set_running_or_notify_cancel():
-                    continue
-                try:
-                    result = fn(*args)
-                    if inspect.isawaitable(result):
-                        result = self._loop.run_until_complete(result)
-                except BaseException as exc:  # handed to the caller
-                    future.set_exception(exc)
-                else:
-                    future.set_result(result)
+                self._run(*item)
+                # Nothing of the finished work stays referenced while the thread waits: its objects (a flight's
+                # tensors) are freed here, not by this daemon thread as the interpreter shuts down, where a
+                # tensor's release that waits for the GIL ends the thread inside C++ code and aborts the process.
+                del item
         finally:
             self._loop.close()
+
+    def _run(self, future: concurrent.futures.Future, fn: Callable[..., Any], args: tuple) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            result = fn(*args)
+            if inspect.isawaitable(result):
+                result = self._loop.run_until_complete(result)
+        except BaseException as exc:  # handed to the caller
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
         """Queue ``fn(*args)`` on this worker; thread-safe."""

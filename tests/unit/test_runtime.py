@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -102,6 +104,24 @@ def test_worker_runs_in_order_and_shuts_down():
     assert not worker.thread.is_alive()
     with pytest.raises(RuntimeError, match="shut down"):
         worker.submit(print)
+
+
+def test_a_waiting_worker_holds_nothing_of_its_finished_work():
+    """What a call took and gave back is freed once its caller lets go, while the worker waits for more: not
+    later by the worker's daemon thread, which may only get to it as the interpreter shuts down (a tensor freed
+    then aborts the process)."""
+
+    class Payload:
+        pass
+
+    worker = Worker("w")
+    given, returned = Payload(), worker.submit(Payload).result(timeout=5)
+    worker.submit(lambda payload: None, given).result(timeout=5)
+    refs = [weakref.ref(given), weakref.ref(returned)]
+    del given, returned
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None]
+    worker.shutdown()
 
 
 async def test_worker_awaits_async_work_before_the_next_item():
