@@ -316,6 +316,8 @@ def decoder_layers(
     eps: float,
     dtype: torch.dtype,
     layers: tuple[list, list, list, list, list, list],
+    lora: tuple[torch.Tensor | None, list[int], list[torch.Tensor], list[int]] = (None, [], [], []),
+    gate_chunks: list[int] | None = None,
 ) -> None:
     """Every decoder layer on the float32 residual ``h`` [T, W], in place, writing K/V into ``k_cache``/``v_cache``
     [layers, slots, KVH, D]: per layer ``add_rms_norm``, qkv, ``rope_store``, ``paged_attention``, o,
@@ -328,6 +330,12 @@ def decoder_layers(
     the order qkv, o, gate/up, down; gate/up's rows interleaved, see :func:`interleave_gate_up`) and the number
     of products of each linear layer (several: their outputs side by side); a product with scales runs
     :func:`quant_linear`, one without :func:`bf16_linear`.
+
+    ``lora``: LoRA adapters' additions (:meth:`.LoraRows.kernel_args`: the rows of each group, their counts, the
+    adapters' packed A and B, their layout), added to their rows after each product; ``gate_chunks``: each
+    layer's gate/up interleaving chunk, with which their rows' gate and up are recomputed before the activation.
     """
     tables = (*attention, heads, eps, dtype)  # pages, row_span, row_keys, page_size, scale, ...
-    torch.ops.fiberserve.decoder_layers(h, positions, cos, sin, write_slots, k_cache, v_cache, *tables, *layers)
+    torch.ops.fiberserve.decoder_layers(
+        h, positions, cos, sin, write_slots, k_cache, v_cache, *tables, *layers, *lora, gate_chunks or []
+    )

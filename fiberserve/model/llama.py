@@ -63,6 +63,8 @@ from fiberserve.model.loader import Checkpoint, LazyWeights
 from fiberserve.model.lora import LoraRows
 from fiberserve.model.rope_tables import RopeTables
 
+#: No LoRA rows, as :func:`.kernels.decoder_layers` takes them.
+NO_LORA: tuple[torch.Tensor | None, list[int], list[torch.Tensor], list[int]] = (None, [], [], [])
 #: Decoder layers built at once when a model loads (threads: their unpacking and packing run without the GIL).
 LAYERS_AT_ONCE = 2
 
@@ -185,6 +187,8 @@ class LlamaModel:
         #: The layers' tensors for :func:`.kernels.decoder_layers` when every decoder product runs on the
         #: extension's kernels (so the whole layer loop can run in C++), else None.
         self.native_layers = self._native_layer_tensors() if self.fused else None
+        #: Each layer's gate/up interleaving chunk (what the C++ loop recomputes LoRA rows' gate and up with).
+        self.gate_chunks = [layer.gate_up.chunk or 0 for layer in self.layers]
 
     def _native_layer_tensors(self) -> tuple[list, list, list, list, list, list] | None:
         norms: list[torch.Tensor] = []
@@ -288,14 +292,16 @@ class LlamaModel:
     @torch.inference_mode()
     def run_layers(self, inputs: LayerInputs) -> torch.Tensor:
         """The decoder layers over :meth:`prepare`'s inputs (K/V written into its cache), then the final norm of
-        the rows whose logits are asked for: float32 [R, hidden].  A batch with LoRA rows runs the layer loop in
-        Python, which adds each adapter's products to its rows."""
+        the rows whose logits are asked for: float32 [R, hidden].  LoRA adapters' products are added to their rows
+        (in the C++ loop where they are all the ``bf16_linear`` kernel's, else in the Python one)."""
         h, attention = inputs.h, inputs.attention
-        if self.native_layers is not None and isinstance(attention, PagedKernelAttention) and not inputs.lora:
+        lora = inputs.lora.kernel_args() if inputs.lora else NO_LORA
+        if self.native_layers is not None and isinstance(attention, PagedKernelAttention) and lora is not None:
             cache = inputs.cache
             kernels.decoder_layers(
                 h, inputs.positions, self.rope.cos, self.rope.sin, inputs.write_slots, cache.k, cache.v,
-                attention.tables, self.config.num_heads, self.eps, self.dtype, self.native_layers,
+                attention.tables, self.config.num_heads, self.eps, self.dtype, self.native_layers, lora,
+                self.gate_chunks,
             )  # fmt: skip
         elif self.fused and isinstance(attention, PagedKernelAttention):
             self._layers_fused(inputs, attention)

@@ -40,6 +40,8 @@ TARGET_MODULES = (
     "gate_up_proj",
     "down_proj",
 )
+#: The products of a decoder layer an adapter adds to, in the order the C++ layer loop runs them.
+PRODUCTS = ("qkv", "o", "gate_up", "down")
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 _PEFT_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
@@ -97,6 +99,16 @@ class LowRank:
         self.a = Linear(a.to(dtype))
         self.dtype = dtype
 
+    def kernel_layout(self) -> tuple[list[int], list[torch.Tensor]] | None:
+        """This addition as :func:`.kernels.decoder_layers` takes it: its count of parts, each part's (start, end,
+        first, last), and A's and each B's packed weight; None where a product is not the ``bf16_linear``
+        kernel's."""
+        linears = [self.a, *(b for *_, b in self.parts)]
+        if not all(linear.bf16_kernel for linear in linears):
+            return None
+        ints = [len(self.parts)] + [n for start, end, first, last, _ in self.parts for n in (start, end, first, last)]
+        return ints, [linear.weight for linear in linears]
+
     def added_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the product's output for the rows ``x``) plus this addition, in float32."""
         coordinates = self.a(x.to(self.dtype), wide=True).to(self.dtype)
@@ -117,6 +129,13 @@ class LoraAdapter:
         self.rank = rank
         self.layers = layers
         self.uid = next(_ids)
+        self._kernel_layout = _flat_layout(layers)
+
+    @property
+    def kernel_layout(self) -> tuple[list[int], list[torch.Tensor]] | None:
+        """Every layer's additions as :func:`.kernels.decoder_layers` takes them (per layer, the products qkv, o,
+        gate_up, down: a count of parts, 0 for none), or None where one is not the ``bf16_linear`` kernel's."""
+        return self._kernel_layout
 
     @classmethod
     def load(cls, name: str, path: str | Path, config: ModelConfig, dtype: torch.dtype, max_rank: int) -> LoraAdapter:
@@ -245,6 +264,20 @@ def _modules(pairs: dict[tuple[int, str], dict[str, torch.Tensor]], scale_of, so
     return modules
 
 
+def _flat_layout(layers: list[dict[str, LowRank]]) -> tuple[list[int], list[torch.Tensor]] | None:
+    ints: list[int] = []
+    tensors: list[torch.Tensor] = []
+    for layer in layers:
+        for product in PRODUCTS:
+            low = layer.get(product)
+            layout = None if low is None else low.kernel_layout()
+            if low is not None and layout is None:
+                return None
+            ints += [0] if layout is None else layout[0]
+            tensors += [] if layout is None else layout[1]
+    return ints, tensors
+
+
 @dataclass
 class LoraRows:
     """The rows of a flat batch that run under each adapter; a row in no group runs the base model."""
@@ -253,6 +286,17 @@ class LoraRows:
 
     def __bool__(self) -> bool:
         return bool(self.groups)
+
+    def kernel_args(self) -> tuple[torch.Tensor, list[int], list[torch.Tensor], list[int]] | None:
+        """The groups as :func:`.kernels.decoder_layers` takes them (rows, their counts, tensors, layout), or
+        None where an adapter's products are not all the ``bf16_linear`` kernel's."""
+        layouts = [adapter.kernel_layout for adapter, _ in self.groups]
+        if any(layout is None for layout in layouts):
+            return None
+        ints = [n for layout in layouts for n in layout[0]]  # type: ignore[index]
+        tensors = [t for layout in layouts for t in layout[1]]  # type: ignore[index]
+        rows = torch.cat([rows for _, rows in self.groups])
+        return rows, [len(rows) for _, rows in self.groups], tensors, ints
 
     def add(self, layer: int, product: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (``product``'s output of layer ``layer`` for the input ``x``) with each group's rows plus its

@@ -54,8 +54,9 @@ def test_llama_cpp_s_gguf_adapter_gives_the_peft_adapter_s_logits(tiny_dirs, tmp
 
 def test_mixed_adapters_in_one_batch_keep_every_row_s_bits(tmp_path):
     """A flight of sequences under two adapters and the base model, prefill chunks beside decode tokens: each
-    row's logits are the bits it gets alone (the base alone runs the C++ layer loop), and an adapter of scale 0
-    gives the base model's bits."""
+    row's logits are the bits it gets alone (the base alone runs the C++ layer loop with no LoRA), the C++ loop
+    adds the adapters as the Python loop does, bit for bit, and an adapter of scale 0 gives the base model's
+    bits."""
     from fiberserve import kernels
     from fiberserve.model.linear import quant_kernel_available
 
@@ -95,9 +96,15 @@ def test_mixed_adapters_in_one_batch_keep_every_row_s_bits(tmp_path):
                 row += len(toks) - start
         return {n: torch.cat(parts) for n, parts in out.items()}
 
+    assert one.kernel_layout is not None and two.kernel_layout is not None  # the C++ layer loop adds them
     together = run(["a", "b", "c"], adapters)
     for name in "abc":
         assert torch.equal(run([name], adapters)[name], together[name]), name
+    native, model.native_layers = model.native_layers, None  # the Python layer loop: the same additions
+    in_python = run(["a", "b", "c"], adapters)
+    model.native_layers = native
+    for name in "abc":
+        torch.testing.assert_close(in_python[name], together[name], atol=0, rtol=0)
     assert not torch.equal(together["a"][:6], run(["a"], {"a": None})["a"][:6])
     assert torch.equal(run(["b"], {"b": zero})["b"], together["b"])
 

@@ -7,6 +7,9 @@
 // whose parts the file stores in different block formats: each in its own): quant_linear where scales are given
 // (weights in blocks, see linear_quant.cpp), bf16_linear otherwise.  The o and down products return float32, added to the float32 residual
 // unrounded, exactly as the Python loop does (so both loops give the same bits).
+//
+// LoRA adapters (model/lora.py) add their low-rank products to the rows of their groups after each base product
+// ran over every row; a row in no group keeps the base model's bits.
 
 #include <ATen/ATen.h>
 
@@ -45,6 +48,98 @@ struct Linears {
   }
 };
 
+// Each LoRA adapter's additions to its rows, from flat lists: the rows of every group one after another (`rows`,
+// `groups` the count of each), and per group, layer and linear layer (4 per layer) an entry of `layout`: its count
+// of parts, then (start, end, first, last) per part; an entry with parts takes 1 + parts tensors: A stacked [R, K]
+// and each part's B [end - start, last - first], packed for bf16_linear.  A part adds
+// (x A^T)[:, first:last] B^T to the output columns start:end.
+class LoraAdditions {
+ public:
+  LoraAdditions(const std::optional<at::Tensor>& rows, c10::IntArrayRef groups, const std::vector<at::Tensor>& tensors,
+                c10::IntArrayRef layout, size_t linears)
+      : tensors_(tensors), layout_(layout) {
+    if (!rows) return;
+    int64_t start = 0;
+    size_t ints = 0, weights = 0;
+    for (const int64_t count : groups) {
+      Group group{rows->narrow(0, start, count), {}};
+      start += count;
+      for (size_t slot = 0; slot < linears; ++slot) {
+        TORCH_CHECK(ints < layout.size(), "decoder_layers: the LoRA layout is shorter than its groups need");
+        group.entries.push_back({ints, weights});
+        const int64_t parts = layout[ints];
+        ints += 1 + 4 * static_cast<size_t>(parts);
+        weights += parts ? 1 + static_cast<size_t>(parts) : 0;
+      }
+      groups_.push_back(std::move(group));
+    }
+    TORCH_CHECK(start == rows->size(0) && ints == layout.size() && weights == tensors.size(),
+                "decoder_layers: the LoRA rows, layout and tensors must agree");
+  }
+
+  // y (the output of linear layer `slot` for the input x) with each group's rows plus its adapter's addition.
+  void add(at::Tensor& y, const at::Tensor& x, size_t slot) const {
+    for (const Group& group : groups_) {
+      const Entry& entry = group.entries[slot];
+      if (layout_[entry.ints] == 0) continue;
+      const at::Tensor added = added_to(entry, x.index_select(0, group.rows), y.index_select(0, group.rows).to(at::kFloat));
+      y.index_copy_(0, group.rows, added.to(y.scalar_type()));
+    }
+  }
+
+  // silu(gate) * up of gate/up linear layer `slot` (its rows interleaved in `chunk`s: see GateUp in linear.py) for
+  // x, in dtype: the gated product where no group adds to it; else one float32 product for every row, the base
+  // rows' activation by silu_mul of it rounded to dtype (the gated product's bits), each group's rows' from it
+  // plus the adapter's additions.
+  at::Tensor gate_up(const at::Tensor& x, size_t slot, const Linears& linear, int64_t chunk, at::ScalarType dtype,
+                     const PrefetchPlan* prefetch) const {
+    const bool adds = std::any_of(groups_.begin(), groups_.end(),
+                                  [&](const Group& group) { return layout_[group.entries[slot].ints] != 0; });
+    if (!adds) return linear(x, slot, dtype, /*gated=*/true, prefetch);
+    const at::Tensor both = linear(x, slot, at::kFloat, /*gated=*/false, prefetch);
+    const int64_t rows = both.size(0), features = both.size(1) / 2;
+    const at::Tensor gate_then_up =
+        both.view({rows, features / chunk, 2, chunk}).transpose(1, 2).reshape({rows, 2 * features});
+    at::Tensor y = silu_mul(gate_then_up.to(dtype));
+    for (const Group& group : groups_) {
+      const Entry& entry = group.entries[slot];
+      if (layout_[entry.ints] == 0) continue;
+      const at::Tensor pre = added_to(entry, x.index_select(0, group.rows), gate_then_up.index_select(0, group.rows));
+      const at::Tensor out = at::silu(pre.narrow(1, 0, features)) * pre.narrow(1, features, features);
+      y.index_copy_(0, group.rows, out.to(dtype));
+    }
+    return y;
+  }
+
+ private:
+  struct Entry {
+    size_t ints, weights;  // where the entry starts in layout and in tensors
+  };
+  struct Group {
+    at::Tensor rows;
+    std::vector<Entry> entries;  // one per linear layer
+  };
+
+  // out (float32 rows) plus the entry's parts for the input rows x.
+  at::Tensor added_to(const Entry& entry, const at::Tensor& x, at::Tensor out) const {
+    const int64_t parts = layout_[entry.ints];
+    const at::Tensor coordinates =
+        bf16_linear(x.to(at::kBFloat16), tensors_[entry.weights], std::nullopt, at::kFloat, false).to(at::kBFloat16);
+    for (int64_t p = 0; p < parts; ++p) {
+      const int64_t* part = &layout_[entry.ints + 1 + 4 * static_cast<size_t>(p)];  // start, end, first, last
+      const at::Tensor b = tensors_[entry.weights + 1 + static_cast<size_t>(p)];
+      out.narrow(1, part[0], part[1] - part[0])
+          .add_(bf16_linear(coordinates.narrow(1, part[2], part[3] - part[2]).contiguous(), b, std::nullopt, at::kFloat,
+                            false));
+    }
+    return out;
+  }
+
+  const std::vector<at::Tensor>& tensors_;
+  c10::IntArrayRef layout_;
+  std::vector<Group> groups_;
+};
+
 // The pages of one layer's keys and values that the rows will read: each span's pages once, in row order.
 void plan_kv_reads(const at::Tensor& k, const at::Tensor& v, const at::Tensor& pages, const at::Tensor& row_span,
                    const at::Tensor& row_keys, int64_t page_size, PrefetchPlan& plan) {
@@ -75,7 +170,10 @@ void decoder_layers(at::Tensor& h, const at::Tensor& positions, const at::Tensor
                     int64_t heads, double eps, at::ScalarType dtype, const std::vector<at::Tensor>& norms,
                     const std::vector<at::Tensor>& weights, const c10::List<std::optional<at::Tensor>>& scales,
                     const c10::List<std::optional<at::Tensor>>& mins,
-                    const c10::List<std::optional<at::Tensor>>& biases, c10::IntArrayRef parts) {
+                    const c10::List<std::optional<at::Tensor>>& biases, c10::IntArrayRef parts,
+                    const std::optional<at::Tensor>& lora_rows, c10::IntArrayRef lora_groups,
+                    const std::vector<at::Tensor>& lora_tensors, c10::IntArrayRef lora_layout,
+                    c10::IntArrayRef gate_chunks) {
   const size_t layers = norms.size() / 2;
   TORCH_CHECK(norms.size() == 2 * layers && parts.size() == 4 * layers && scales.size() == weights.size() &&
                   mins.size() == weights.size() && biases.size() == weights.size(),
@@ -90,20 +188,29 @@ void decoder_layers(at::Tensor& h, const at::Tensor& positions, const at::Tensor
   TORCH_CHECK(k_cache.dim() == 4 && static_cast<size_t>(k_cache.size(0)) == layers && v_cache.sizes() == k_cache.sizes(),
               "decoder_layers: the cache must be [layers, slots, kv_heads, head_dim]");
   const Linears linear{weights, scales, mins, biases, std::move(first)};
+  const LoraAdditions lora(lora_rows, lora_groups, lora_tensors, lora_layout, 4 * layers);
+  TORCH_CHECK(!lora_rows || gate_chunks.size() == layers, "decoder_layers: LoRA needs each layer's gate/up chunk");
   std::optional<at::Tensor> delta;  // the previous layer's MLP output, added to h by the next norm
   PrefetchPlan next_kv;  // the next layer's keys and values, pulled into cache during this layer's gate/up product
   for (size_t i = 0; i < layers; ++i) {
     at::Tensor k = k_cache.select(0, static_cast<int64_t>(i)), v = v_cache.select(0, static_cast<int64_t>(i));
     at::Tensor x = add_rms_norm(h, delta, norms[2 * i], eps, dtype);
-    const at::Tensor q = rope_store(linear(x, 4 * i, dtype), positions, cos, sin, write_slots, k, v, heads);
+    at::Tensor qkv = linear(x, 4 * i, dtype);
+    lora.add(qkv, x, 4 * i);
+    const at::Tensor q = rope_store(qkv, positions, cos, sin, write_slots, k, v, heads);
     const at::Tensor attention = paged_attention(q, k, v, pages, row_span, row_keys, page_size, scale, 0, 0.0);
-    x = add_rms_norm(h, linear(attention, 4 * i + 1, at::kFloat), norms[2 * i + 1], eps, dtype);
+    at::Tensor o = linear(attention, 4 * i + 1, at::kFloat);
+    lora.add(o, attention, 4 * i + 1);
+    x = add_rms_norm(h, o, norms[2 * i + 1], eps, dtype);
     if (i + 1 < layers)
       plan_kv_reads(k_cache.select(0, static_cast<int64_t>(i + 1)), v_cache.select(0, static_cast<int64_t>(i + 1)),
                     pages, row_span, row_keys, page_size, next_kv);
     else
       next_kv.ranges.clear();
-    delta = linear(linear(x, 4 * i + 2, dtype, /*gated=*/true, &next_kv), 4 * i + 3, at::kFloat);
+    const at::Tensor gated = lora.gate_up(x, 4 * i + 2, linear, lora_rows ? gate_chunks[i] : 0, dtype, &next_kv);
+    at::Tensor down = linear(gated, 4 * i + 3, at::kFloat);
+    lora.add(down, gated, 4 * i + 3);
+    delta = down;
   }
   if (delta) h.add_(*delta);
 }

@@ -28,8 +28,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 
 bool bf16_gemm_available();
 
-// Whether bf16_linear runs on AMX tiles (amx/linear_bf16.h) in this process; allow >= 0 first allows (1) or forbids
-// (0) them, for comparisons.  Forbidding changes the products' bits: switch before a model runs, not while.
+// Whether bf16_linear runs on AMX tiles (amx/linear_bf16.h) in this process.
 bool bf16_amx();
 
 at::Tensor bf16_pack(const at::Tensor& weight);
@@ -109,6 +108,8 @@ void decoder_layers(at::Tensor& h, const at::Tensor& positions, const at::Tensor
                     int64_t heads, double eps, at::ScalarType dtype, const std::vector<at::Tensor>& norms,
                     const std::vector<at::Tensor>& weights, const c10::List<std::optional<at::Tensor>>& scales,
                     const c10::List<std::optional<at::Tensor>>& mins, const c10::List<std::optional<at::Tensor>>& biases,
-                    c10::IntArrayRef parts);
+                    c10::IntArrayRef parts, const std::optional<at::Tensor>& lora_rows, c10::IntArrayRef lora_groups,
+                    const std::vector<at::Tensor>& lora_tensors, c10::IntArrayRef lora_layout,
+                    c10::IntArrayRef gate_chunks);
 
 }  // namespace fiberserve

@@ -40,7 +40,8 @@ TORCH_LIBRARY(fiberserve, m) {
       "decoder_layers(Tensor(a!) h, Tensor positions, Tensor cos, Tensor sin, Tensor write_slots, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor pages, Tensor row_span, Tensor row_keys, int page_size, float scale, int heads, "
       "float eps, ScalarType dtype, Tensor[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] mins, "
-      "Tensor?[] biases, int[] parts) -> ()");
+      "Tensor?[] biases, int[] parts, Tensor? lora_rows, int[] lora_groups, Tensor[] lora_tensors, int[] lora_layout, "
+      "int[] gate_chunks) -> ()");
 }
 
 // Takes no tensor, so it is registered for every dispatch key.
