@@ -68,8 +68,6 @@ class Sequence:
         self.output_ids: list[int] = []
         self.params = params
         self.adapter = adapter
-        #: The prefix cache's namespace of this sequence's pages: its adapter's (0: the base model's).
-        self.adapter_uid = 0 if adapter is None else adapter.uid
         self.status = Status.WAITING
         self.pages: list[int] = []
         self.num_computed = 0  #: leading tokens whose K/V are in the cache
@@ -154,6 +152,11 @@ class Sequence:
     @property
     def in_flight(self) -> bool:
         return self.status is Status.IN_FLIGHT
+
+    @property
+    def adapter_uid(self) -> int:
+        """The prefix cache's namespace of this sequence's pages: its adapter's load (0: the base model's)."""
+        return 0 if self.adapter is None else self.adapter.uid
 
     def __repr__(self) -> str:
         return (

@@ -295,8 +295,8 @@ class LoraRows:
             return None
         ints = [n for layout in layouts for n in layout[0]]  # type: ignore[index]
         tensors = [t for layout in layouts for t in layout[1]]  # type: ignore[index]
-        rows = torch.cat([rows for _, rows in self.groups])
-        return rows, [len(rows) for _, rows in self.groups], tensors, ints
+        every_row = torch.cat([rows for _, rows in self.groups])
+        return every_row, [len(rows) for _, rows in self.groups], tensors, ints
 
     def add(self, layer: int, product: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (``product``'s output of layer ``layer`` for the input ``x``) with each group's rows plus its
