@@ -29,6 +29,8 @@ def setting(default: Any = MISSING, help: str = "", *, choices: tuple[str, ...] 
 TOOL_CALL_PARSERS = ("none", "auto", "hermes", "llama3_json", "mistral", "pythonic", "functiongemma")
 #: ``reasoning_parser`` values: how a chat answer's thinking is split from it (none: it stays in the content).
 REASONING_PARSERS = ("none", "deepseek_r1", "qwen3")
+#: ``kv_cache_dtype`` values: how the KV cache stores keys and values (model/kv_format.py); auto: the model's dtype.
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3", "q8_0")
 #: ``pooling`` values: how an embedding pools the prompt (``engine.sampling_params.POOLINGS``, or the file's).
 POOLING_SETTINGS = ("auto", "last", "mean")
 
@@ -82,6 +84,13 @@ class EngineConfig:
         "of the memory available at start: service.kv_cache_pages)",
     )
     kv_pages: int | None = setting(None, "KV cache size in pages (overrides --kv-cache-mb)")
+    kv_cache_dtype: str = setting(
+        "auto",
+        "how the KV cache stores keys and values: auto (the model's dtype), bf16, fp8_e4m3 (float8, half of bf16's "
+        "bytes) or q8_0 (llama.cpp's -ctk/-ctv q8_0: int8 in blocks of 32 with a float16 scale); quantized when "
+        "written, read by attention in place (model/kv_format.py)",
+        choices=KV_CACHE_DTYPES,
+    )
     max_model_len: int | None = setting(
         None, "longest context (prompt + output) a request may use; at most the model's, which is the default"
     )

@@ -28,5 +28,6 @@ fi
 # On a CPU with AVX-512 the suite above ran the AVX-512 kernels; test the AVX2 build too (the kernels and the
 # model's math on them), as a CPU without AVX-512 runs it.
 if [ $# -eq 0 ] && grep -qw avx512f /proc/cpuinfo; then
-    FIBERSERVE_KERNEL_VARIANT=avx2 .venv/bin/python -m pytest -q tests/unit/test_kernels.py tests/unit/test_model_math.py
+    FIBERSERVE_KERNEL_VARIANT=avx2 .venv/bin/python -m pytest -q tests/unit/test_kernels.py tests/unit/test_kv_format.py \
+        tests/unit/test_model_math.py
 fi

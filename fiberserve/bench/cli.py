@@ -25,7 +25,7 @@ from fiberserve.bench.peak import (
 )
 from fiberserve.bench.random_model import FORMATS, SHAPES
 from fiberserve.bench.report import merged, model_section, render
-from fiberserve.config import default_cache_dir
+from fiberserve.config import KV_CACHE_DTYPES, default_cache_dir
 from fiberserve.model.config import read_config
 
 #: Prompt seeds of the warm-up and the streamed run; the levels use 1, 2, 3, ... (see ``_levels``).
@@ -144,6 +144,21 @@ def cmd_model(args: argparse.Namespace) -> int:
     output = Path(args.output or f"{args.shape}-{args.format}.gguf")
     write_random_model(output, SHAPES[args.shape], args.format, default_model_path(args.cache_dir), seed=args.seed)
     print(f"wrote {output} ({output.stat().st_size / 1e6:.0f} MB)")
+    return 0
+
+
+def cmd_kv_accuracy(args: argparse.Namespace) -> int:
+    from fiberserve.bench.kv_accuracy import accuracy_table, kv_cache_accuracy, stdlib_text
+    from fiberserve.config import EngineConfig
+    from fiberserve.engine.service import LlmService
+
+    service = LlmService.load(EngineConfig(model=args.model, cache_dir=args.cache_dir, kv_cache_mb=16))
+    tokens = service.tokenizer.encode(stdlib_text())
+    results = kv_cache_accuracy(service.model, tokens, args.context, args.formats)
+    table = accuracy_table(service.model_name, results)
+    print(table)
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
     return 0
 
 
@@ -362,6 +377,14 @@ def main(argv: list[str]) -> int:
         help="the report; with --model, the file's section of it (replaced, or added beside the others)",
     )
     compare.add_argument("--out-dir", default="bench-results")
+    accuracy = sub.add_parser(
+        "kv-accuracy", help="how far each quantized KV cache moves the logits, teacher-forced over a long text"
+    )
+    accuracy.add_argument("--model", help="GGUF file or Hugging Face directory (default: the embedded model)")
+    accuracy.add_argument("--context", type=_positive, nargs="+", default=[2048, 8192], help="tokens read")
+    accuracy.add_argument("--formats", nargs="+", default=["fp8_e4m3", "q8_0"], choices=KV_CACHE_DTYPES[1:])
+    accuracy.add_argument("--cache-dir", default=str(default_cache_dir()))
+    accuracy.add_argument("--markdown", help="write the table here too")
     peak = sub.add_parser("peak", help="the CPU's dot-product peak and the compute bound it sets for a model")
     peak.add_argument("--model", help="GGUF file or Hugging Face directory (default: the embedded model)")
     peak.add_argument("--cache-dir", default=str(default_cache_dir()))
@@ -381,6 +404,8 @@ def main(argv: list[str]) -> int:
         return cmd_run(args)
     if args.command == "peak":
         return cmd_peak(args)
+    if args.command == "kv-accuracy":
+        return cmd_kv_accuracy(args)
     args.fiberserve_args = shlex.split(args.fiberserve_args)
     return cmd_compare(args)
 

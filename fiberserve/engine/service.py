@@ -48,6 +48,7 @@ from fiberserve.model.assets import DEFAULT_MODEL_NAME, default_model_path
 from fiberserve.model.batch import KVCache
 from fiberserve.model.block_formats import NATIVE_BITS
 from fiberserve.model.config import ModelConfig
+from fiberserve.model.kv_format import kv_format
 from fiberserve.model.llama import LlamaModel
 from fiberserve.model.loader import Checkpoint, load_checkpoint
 from fiberserve.model.tokenizer import Tokenizer, load_tokenizer, read_chat_template, tokenizer_cache
@@ -289,18 +290,20 @@ class LlmService:
                     f"got {config.max_model_len}"
                 )
             self.max_context = config.max_model_len
-        page_bytes = KVCache.bytes_per_page(model.config, config.page_size, model.dtype)
+        kv_storage = kv_format(config.kv_cache_dtype, model.dtype)
+        page_bytes = KVCache.bytes_per_page(model.config, config.page_size, kv_storage)
         num_pages, bound = kv_cache_pages(config, page_bytes, self.max_context, available_memory())
         log.info(
-            "KV cache: %d tokens (%d pages, %.0f MiB), bounded by %s; the context is %d tokens",
+            "KV cache: %d tokens (%d pages, %.0f MiB, %s), bounded by %s; the context is %d tokens",
             num_pages * config.page_size,
             num_pages,
             num_pages * page_bytes / 2**20,
+            str(kv_storage.storage).removeprefix("torch."),
             bound,
             self.max_context,
         )
         resident = KV_CACHE_MIN_MB * 2**20 // page_bytes  # the rest of a larger cache when first written
-        self.kv_cache = KVCache(model.config, num_pages, config.page_size, model.dtype, model.device, resident)
+        self.kv_cache = KVCache(model.config, num_pages, config.page_size, kv_storage, model.device, resident)
         self.pages = PagePool(num_pages, config.page_size, config.prefix_caching)
         self.scheduler = Scheduler(
             self.pages, config.max_running, config.max_batch_tokens, config.decode_steps, config.speculative_tokens
@@ -338,6 +341,7 @@ class LlmService:
         with _one_intra_op_thread(), ThreadPoolExecutor(1, thread_name_prefix="fiberserve-tokenizer") as side:
             checkpoint = load_checkpoint(path)  # first: a bad --model fails at once,
             dtype = resolve_dtype(config.dtype, config.device)  # not after the kernels' first build
+            kv_format(config.kv_cache_dtype, dtype)  # nor a --kv-cache-dtype it cannot serve after the weights
             quantization = resolve_quantization(config.quantization, checkpoint, config.device)
             # The tokenizer and the grammar compiler's view of it are read on another core while the weights load.
             text = side.submit(_load_text_side, path, config.cache_dir, checkpoint.config)

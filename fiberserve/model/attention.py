@@ -1,7 +1,8 @@
 """Attention over the paged KV cache, behind one interface.
 
 A backend is built once per forward pass from the batch's spans (every layer shares it) and called per layer:
-``backend(q [T, H, D], k_cache, v_cache [slots, KVH, D], window) -> [T, H * D]``, each row attending causally
+``backend(q [T, H, D], k_cache, v_cache [slots, KVH, row], window) -> [T, H * D]`` (rows in the cache's
+format, :mod:`.kv_format`), each row attending causally
 to its own sequence's keys only (the last ``window`` of them on a sliding-window layer).
 
 * :class:`PagedKernelAttention` (CPU): :func:`.kernels.paged_attention` reads each sequence's pages in place
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 from fiberserve import kernels
 from fiberserve.model.batch import ForwardBatch, SequenceSpan
+from fiberserve.model.kv_format import dequantize
 from fiberserve.model.small_tensors import tensor_of
 
 #: Key buffers are padded to a multiple of this many positions (see the module docstring).
@@ -181,17 +183,22 @@ class SdpaAttention:
         KVH = k_cache.shape[1]
         G = H // KVH
         out = torch.zeros(T, H * D, dtype=q.dtype, device=q.device)  # rows of no span (padding) stay zero
-        k_pages, v_pages = k_cache.view(-1, page_size * KVH * D), v_cache.view(-1, page_size * KVH * D)
+        page_width = page_size * k_cache[0].numel()  # a page's rows, one contiguous run
+        k_pages, v_pages = k_cache.view(-1, page_width), v_cache.view(-1, page_width)
+
+        def gather(cache_pages: torch.Tensor, pages: torch.Tensor, batch: int) -> torch.Tensor:
+            """The pages' rows as [batch, KVH, L, D] in the queries' dtype (dequantized from a quantized cache)."""
+            rows = cache_pages.index_select(0, pages).view(batch, -1, KVH, k_cache.shape[-1])
+            return dequantize(rows, D, q.dtype).transpose(1, 2)
+
         for rows, pages, mask in plan.decode_groups:
             B = mask.shape[0]
-            kk = k_pages.index_select(0, pages).view(B, -1, KVH, D).transpose(1, 2)  # [B, KVH, L, D]
-            vv = v_pages.index_select(0, pages).view(B, -1, KVH, D).transpose(1, 2)
+            kk, vv = gather(k_pages, pages, B), gather(v_pages, pages, B)  # [B, KVH, L, D]
             qq = self._pad_rows(q[rows].view(B, KVH, G, D))  # [B, KVH, >=G, D]
             o = self._sdpa(qq, kk, vv, mask)
             out[rows] = o[:, :, :G].reshape(B, H * D)
         for start, length, pages, mask in plan.prefills:
-            kk = k_pages.index_select(0, pages).view(1, -1, KVH, D).transpose(1, 2)  # [1, KVH, L, D]
-            vv = v_pages.index_select(0, pages).view(1, -1, KVH, D).transpose(1, 2)
+            kk, vv = gather(k_pages, pages, 1), gather(v_pages, pages, 1)  # [1, KVH, L, D]
             qq = self._pad_rows(q[start : start + length].transpose(0, 1).unsqueeze(0))  # [1, H, >=Q, D]
             o = self._sdpa(qq, kk, vv, mask)
             out[start : start + length] = o[0, :, :length].transpose(0, 1).reshape(length, H * D)

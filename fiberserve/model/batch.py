@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from fiberserve.model.config import ModelConfig
+from fiberserve.model.kv_format import KvFormat
 from fiberserve.model.lora import LoraRows
 
 
@@ -49,7 +50,8 @@ class ForwardBatch:
 
 
 class KVCache:
-    """Keys and values of every layer, ``[layer, slot, kv_head, head_dim]``; slot = page * page_size + offset.
+    """Keys and values of every layer, ``[layer, slot, kv_head, row]``; slot = page * page_size + offset, a row
+    one head's ``head_dim`` values in the cache's :class:`.KvFormat` (the model's dtype, or quantized).
 
     Zero-filled; on CPU the zeros are the operating system's (a fresh anonymous mapping), so a cache sized for
     a model's whole context takes memory only as its pages are first written, but for the first ``resident_pages``
@@ -57,20 +59,38 @@ class KVCache:
     whose first writes would otherwise slow the first requests and the pass times the scheduler learns from."""
 
     def __init__(
-        self, config: ModelConfig, num_pages: int, page_size: int, dtype, device, resident_pages: int | None = None
+        self,
+        config: ModelConfig,
+        num_pages: int,
+        page_size: int,
+        format: KvFormat | torch.dtype,
+        device,
+        resident_pages: int | None = None,
     ) -> None:
+        """``format``: how rows are stored; a dtype stores them unquantized in it."""
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (config.num_layers, num_pages * page_size, config.num_kv_heads, config.head_dim)
-        self.k, self.v = _zeros(shape, dtype, device), _zeros(shape, dtype, device)
+        self.format = format = _as_format(format)
+        width = format.row_width(config.head_dim)
+        shape = (config.num_layers, num_pages * page_size, config.num_kv_heads, width)
+        self.k, self.v = _zeros(shape, format.storage, device), _zeros(shape, format.storage, device)
         resident = num_pages if resident_pages is None else min(resident_pages, num_pages)
         for cache in (self.k, self.v):
-            cache[:, : resident * page_size].zero_()
+            cache[:, : resident * page_size].view(torch.uint8).zero_()
+
+    def store(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write new tokens' keys and values [n, kv_heads, head_dim] (model dtype) into ``layer``'s ``slots``."""
+        self.k[layer].index_copy_(0, slots, self.format.quantize(keys))
+        self.v[layer].index_copy_(0, slots, self.format.quantize(values))
 
     @staticmethod
-    def bytes_per_page(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * element
+    def bytes_per_page(config: ModelConfig, page_size: int, format: KvFormat | torch.dtype) -> int:
+        row = _as_format(format).row_bytes(config.head_dim)
+        return 2 * config.num_layers * page_size * config.num_kv_heads * row
+
+
+def _as_format(format: KvFormat | torch.dtype) -> KvFormat:
+    return format if isinstance(format, KvFormat) else KvFormat("auto", format)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:

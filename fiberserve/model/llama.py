@@ -354,10 +354,8 @@ class LlamaModel:
                 q = F.rms_norm(qk[:, :H].float(), (D,), layer.q_norm, eps)
                 qk = torch.cat([q, F.rms_norm(qk[:, H:].float(), (D,), layer.k_norm, eps)], 1).to(dtype)
             qk = self._rope(qk, *(local_rope if window else rope))
-            k_cache, v_cache = cache.k[index], cache.v[index]
-            k_cache.index_copy_(0, write_slots, qk[:new, H:])
-            v_cache.index_copy_(0, write_slots, qkv[:new, (H + KVH) * D :].view(new, KVH, D))
-            attended = attend(qk[:, :H], k_cache, v_cache, window)
+            cache.store(index, write_slots, qk[:new, H:], qkv[:new, (H + KVH) * D :].view(new, KVH, D))
+            attended = attend(qk[:, :H], cache.k[index], cache.v[index], window)
             h = h + _norm_if(lora.add(index, "o", attended, layer.o(attended)), layer.post_attn_norm, eps)
             x = F.rms_norm(h, (W,), layer.mlp_norm, eps).to(dtype)
             gated = lora.gate_up(index, layer.gate_up, x, layer.gate_up(x))

@@ -78,6 +78,7 @@ async def server_info(request: Request) -> dict:
         "fibers": cfg.fibers,
         "isolation": cfg.isolation,
         "page_size": cfg.page_size,
+        "kv_cache_dtype": str(service.kv_cache.format.storage).removeprefix("torch."),
         "max_total_num_tokens": service.pages.num_pages * service.pages.page_size,
         "max_running_requests": cfg.max_running,
         "max_batch_tokens": cfg.max_batch_tokens,

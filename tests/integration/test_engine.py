@@ -112,6 +112,22 @@ async def test_a_cache_that_fits_two_sequences_serves_50_requests(engine, alone_
         assert out.outputs[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "q8_0"])
+async def test_a_quantized_kv_cache_keeps_batches_invariant_through_sharing_and_preemption(engine, kv_cache_dtype):
+    """Each prompt batched (in chunks of 64 tokens, sharing the system prompt's pages) gives its tokens alone; a
+    cache that holds two sequences preempts and recomputes and still does; answers with a clear margin hold."""
+    prompts = engine.chat_prompts()
+    alone = await engine.alone(prompts, GREEDY, kv_cache_dtype=kv_cache_dtype)
+    batched = await engine.run(prompts, GREEDY, kv_cache_dtype=kv_cache_dtype, max_batch_tokens=64)
+    assert [a.outputs[0].token_ids for a in alone] == [b.outputs[0].token_ids for b in batched]
+    assert any(b.cached_tokens > 0 for b in batched)
+    longest = max(len(p) for p in prompts) + GREEDY.max_new_tokens
+    tight = await engine.run(prompts, GREEDY, kv_cache_dtype=kv_cache_dtype, kv_pages=2 * -(-longest // 16), fibers=2)
+    assert [a.outputs[0].token_ids for a in alone] == [t.outputs[0].token_ids for t in tight]
+    assert "William Shakespeare" in alone[5].outputs[0].text  # Who wrote Romeo and Juliet?
+    assert "Central Processing Unit" in alone[9].outputs[0].text  # What does CPU stand for?
+
+
 async def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(engine):
     prompts = engine.chat_prompts(6)
     seeded = SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234)

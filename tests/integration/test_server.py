@@ -116,6 +116,27 @@ def test_a_chat_template_given_renders_the_chats_and_a_bad_one_stops_the_start(t
     proc.stop()
 
 
+def test_a_quantized_kv_cache_holds_more_tokens_in_the_same_memory_and_a_bad_pairing_stops_the_start(start_server):
+    """--kv-cache-dtype q8_0: 17/32 of bf16's bytes a value, so the same --kv-cache-mb holds 32/17 the tokens."""
+    tokens = {}
+    for kv_cache_dtype in ("auto", "q8_0"):
+        proc = start_server("--kv-cache-dtype", kv_cache_dtype, "--kv-cache-mb", "64").wait_ready()
+        try:
+            info = proc.server_info()
+            tokens[info["kv_cache_dtype"]] = info["max_total_num_tokens"]
+            with proc.client() as c:
+                body = {"messages": [{"role": "user", "content": "What does CPU stand for?"}], "max_tokens": 12}
+                answer = c.post("/v1/chat/completions", json={**body, "temperature": 0}).json()
+            assert "Central Processing Unit" in answer["choices"][0]["message"]["content"]
+        finally:
+            assert proc.stop() == 0
+    assert tokens["int8"] == pytest.approx(tokens["bfloat16"] * 32 / 17, rel=0.01)
+    proc = start_server("--kv-cache-dtype", "bf16", "--dtype", "float32")
+    assert proc.proc.wait(timeout=120) == 1
+    assert "--kv-cache-dtype bf16 needs a bfloat16 model" in proc.log_path.read_text()
+    proc.stop()
+
+
 def test_config_file_keys_are_the_flags_and_flags_win(tmp_path, start_server, model_path):
     config = tmp_path / "fiberserve.yaml"
     config.write_text("fibers: 3\nmax-batch-tokens: 128\nserved_model_name: from-file\n")

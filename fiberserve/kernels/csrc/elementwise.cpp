@@ -3,7 +3,8 @@
 //
 //   add_rms_norm  residual += delta (float32, in place; delta in the model dtype or float32); returns
 //                 rms_norm(residual) * weight in the model dtype
-//   rope_store    rotary embedding of q and k from the fused qkv rows; writes k and v into the cache slots;
+//   rope_store    rotary embedding of q and k from the fused qkv rows; writes k and v into the cache slots (in
+//                 the cache's format, kv_rows.h);
 //                 returns q
 //   silu_mul      silu(gate) * up from the fused gate|up rows
 
@@ -13,6 +14,7 @@
 #include <cmath>
 #include <optional>
 
+#include "kv_rows.h"
 #include "ops.h"
 #include "simd/vec16.h"
 
@@ -56,26 +58,41 @@ inline void rope_head(const scalar_t* x, const float* cos, const float* sin, flo
 template <typename scalar_t>
 void rope_store_rows(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& write_slots, at::Tensor& k_cache, at::Tensor& v_cache, int64_t heads,
-                     at::Tensor& q) {
-  const int64_t rows = qkv.size(0), kv_heads = k_cache.size(1), dim = k_cache.size(2);
-  const int64_t stride = qkv.stride(0), written = write_slots.size(0);
+                     KvFormat format, at::Tensor& q) {
+  const int64_t rows = qkv.size(0), kv_heads = k_cache.size(1), dim = cos.size(1);
+  const int64_t stride = qkv.stride(0), written = write_slots.size(0), row_bytes = k_cache.size(2) * k_cache.element_size();
   const scalar_t* src = qkv.data_ptr<scalar_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = write_slots.data_ptr<int64_t>();
   const float *cos_table = cos.data_ptr<float>(), *sin_table = sin.data_ptr<float>();
-  scalar_t *k_out = k_cache.data_ptr<scalar_t>(), *v_out = v_cache.data_ptr<scalar_t>(), *q_out = q.data_ptr<scalar_t>();
+  auto *k_out = static_cast<char*>(k_cache.data_ptr()), *v_out = static_cast<char*>(v_cache.data_ptr());
+  scalar_t* q_out = q.data_ptr<scalar_t>();
   at::parallel_for(0, rows, grain(stride), [&](int64_t begin, int64_t end) {
     std::vector<float> wide(dim), turned(dim);
+    std::vector<scalar_t> rotated(dim);
     for (int64_t row = begin; row < end; ++row) {
       const scalar_t* x = src + row * stride;
       const float *c = cos_table + pos[row] * dim, *s = sin_table + pos[row] * dim;
       for (int64_t h = 0; h < heads; ++h)
         rope_head(x + h * dim, c, s, wide.data(), turned.data(), q_out + (row * heads + h) * dim, dim);
       if (row >= written) continue;  // a padding row: no cache slot
-      scalar_t* k_slot = k_out + slots[row] * kv_heads * dim;
-      for (int64_t h = 0; h < kv_heads; ++h)
-        rope_head(x + (heads + h) * dim, c, s, wide.data(), turned.data(), k_slot + h * dim, dim);
-      std::memcpy(v_out + slots[row] * kv_heads * dim, x + (heads + kv_heads) * dim, kv_heads * dim * sizeof(scalar_t));
+      char *k_slot = k_out + slots[row] * kv_heads * row_bytes, *v_slot = v_out + slots[row] * kv_heads * row_bytes;
+      const scalar_t* value = x + (heads + kv_heads) * dim;
+      if (format == KvFormat::kModel) {
+        for (int64_t h = 0; h < kv_heads; ++h)
+          rope_head(x + (heads + h) * dim, c, s, wide.data(), turned.data(),
+                    reinterpret_cast<scalar_t*>(k_slot) + h * dim, dim);
+        std::memcpy(v_slot, value, kv_heads * dim * sizeof(scalar_t));
+        continue;
+      }
+      // A quantized cache: each row as the model's dtype holds it, then quantized (kv_rows.h).
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        rope_head(x + (heads + h) * dim, c, s, wide.data(), turned.data(), rotated.data(), dim);
+        for (int64_t d = 0; d < dim; ++d) wide[d] = static_cast<float>(rotated[d]);
+        store_kv_row(format, wide.data(), dim, k_slot + h * row_bytes);
+        for (int64_t d = 0; d < dim; ++d) wide[d] = static_cast<float>(value[h * dim + d]);
+        store_kv_row(format, wide.data(), dim, v_slot + h * row_bytes);
+      }
     }
   });
 }
@@ -131,14 +148,15 @@ at::Tensor add_rms_norm(at::Tensor& residual, const std::optional<at::Tensor>& d
 
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                       const at::Tensor& write_slots, at::Tensor& k_cache, at::Tensor& v_cache, int64_t heads) {
-  const int64_t rows = qkv.size(0), kv_heads = k_cache.size(1), dim = k_cache.size(2);
+  const int64_t rows = qkv.size(0), kv_heads = k_cache.size(1), dim = cos.size(1);
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= (heads + 2 * kv_heads) * dim,
               "rope_store: qkv must be [rows, (heads + 2 kv_heads) * head_dim] with packed rows");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == qkv.scalar_type() &&
-                  v_cache.scalar_type() == qkv.scalar_type(), "rope_store: the cache must be contiguous, in qkv's dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  k_cache.sizes() == v_cache.sizes(), "rope_store: the K and V caches must be contiguous, alike");
+  const KvFormat format = kv_format(k_cache, qkv.scalar_type(), dim);  // checks the rows' width
   TORCH_CHECK(dim % kLanes == 0, "rope_store: head_dim must be a multiple of 16");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.size(1) == dim, "rope_store: cos/sin must be contiguous float32 [positions, head_dim]");
+                  sin.is_contiguous(), "rope_store: cos/sin must be contiguous float32 [positions, head_dim]");
   TORCH_CHECK(positions.scalar_type() == at::kLong && write_slots.scalar_type() == at::kLong &&
                   positions.size(0) == rows && write_slots.size(0) <= rows, "rope_store: bad positions or slots");
   at::Tensor pos = positions.contiguous(), slots = write_slots.contiguous();
@@ -147,7 +165,7 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& positions, const 
     TORCH_CHECK(p[r] >= 0 && p[r] < cos.size(0), "rope_store: position ", p[r], " is past the cos/sin tables' ", cos.size(0));
   at::Tensor q = at::empty({rows, heads, dim}, qkv.options());
   dispatch(qkv.scalar_type(), "rope_store", [&](auto zero) {
-    rope_store_rows<decltype(zero)>(qkv, pos, cos, sin, slots, k_cache, v_cache, heads, q);
+    rope_store_rows<decltype(zero)>(qkv, pos, cos, sin, slots, k_cache, v_cache, heads, format, q);
   });
   return q;
 }

@@ -3,7 +3,8 @@
 //
 // Contract (see fiberserve/kernels/__init__.py for the Python side):
 //   q        [T, H, D]          float32 / bfloat16 / float16; rows may be strided, heads and dims packed
-//   k, v     [slots, KVH, D]    one layer of the cache, same dtype as q, contiguous
+//   k, v     [slots, KVH, W]    one layer of the cache, contiguous: in q's dtype (W = D), or quantized, float8
+//                               e4m3fn or q8_0 (kv_rows.h), dequantized as they are read
 //   pages    int32 [S, P]       page table of each sequence (span); slot = page * page_size + offset
 //   row_span int32 [T]          the span of each row, or -1 for a padding row (output zero)
 //   row_keys int32 [T]          how many keys the row sees (its position + 1: causal)
@@ -22,10 +23,14 @@
 // several tiles, a prefill chunk's; a decode row's tile transposes its own); the weighted sums take the probabilities
 // rounded to bfloat16 (as flash attention does on GPUs) against two keys' values interleaved dim by dim, and
 // divide by the sum of the rounded probabilities.  Results differ from the float32 path in the last bits.
+//
+// A quantized cache takes the float32 path, its rows dequantized (exactly) as they are loaded: the same bits as
+// the float32 path over the dequantized rows, at a half (q8_0: 17/32) of bfloat16's bytes read per key.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "kv_rows.h"
 #include "ops.h"
 #include "simd/vec16.h"
 
@@ -58,10 +63,12 @@ inline void prefetch(const scalar_t* first, int64_t count) {
 // bfloat16 rows on CPUs with AVX512-BF16, head_dim a multiple of 32: scores by vdpbf16ps straight from the
 // bf16 query and key (16 lanes x 2 products per instruction, no widening), weighted sums by vdpbf16ps over pairs
 // of keys (see weighted_pairs).
-template <typename scalar_t, int kChunks>
+// Row: how the cache stores a row (kv_rows.h); only bfloat16 rows are paired.
+template <typename scalar_t, int kChunks, typename Row = ModelRow<scalar_t>>
 constexpr bool kPairs =
 #if defined(__AVX512BF16__)
-    std::is_same_v<scalar_t, c10::BFloat16> && kChunks > 0 && kChunks % 2 == 0;
+    std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<Row, ModelRow<scalar_t>> && kChunks > 0 &&
+    kChunks % 2 == 0;
 #else
     false;
 #endif
@@ -136,15 +143,19 @@ constexpr int kTileRows = 2;  // with G x head_dim / 16 sums per row in register
 constexpr int kRegistersPerVector = kIsHalves<f32x16> ? 2 : 1;
 constexpr int kSumRegisters = kIsHalves<f32x16> ? 12 : 24;
 
-template <typename scalar_t, int kChunks, int kGroup = 0>
+template <typename scalar_t, int kChunks, int kGroup = 0, typename Row = ModelRow<scalar_t>>
 struct Attend {
-  const scalar_t *q, *k, *v;
+  using cache_t = typename Row::element;
+  static constexpr bool kPaired = kPairs<scalar_t, kChunks, Row>;
+  const scalar_t* q;
+  const cache_t *k, *v;
   const int32_t *pages, *span_of, *keys_of;
   scalar_t* out;
   int64_t q_row_stride, heads, kv_heads, dim, max_pages, page_size, window;
   float scale, softcap;
   const int64_t* tiles;  // tile t is rows tiles[t] .. tiles[t + 1] - 1
   const TransposedKeys* transposed;  // per span (kPairs only)
+  int64_t row_width;                 // elements of a cache row: Row::width(dim)
 
   static constexpr int kG = kGroup ? kGroup : kMaxGroup, kC = kChunks ? kChunks : kMaxChunks;  // array sizes
 
@@ -170,7 +181,7 @@ struct Attend {
   // not depend on which unit computes it, so neither does a row's.
   void run(int64_t begin, int64_t end, int64_t parts) const {
     const int64_t D = (kChunks ? kChunks : dim / kLanes) * kLanes, G = kGroup ? kGroup : heads / kv_heads;
-    const int64_t slot_width = kv_heads * D;
+    const int64_t slot_width = kv_heads * row_width;
     Keys keys;
     std::vector<float> scores;  // [tile row][g][width]: the scores of keys lo.., then their probabilities
     for (int64_t unit = begin, tile = -1; unit < end; ++unit) {
@@ -213,7 +224,7 @@ struct Attend {
   template <int kR>
   void attend_tile(int64_t row0, int64_t head, bool first_pass, const Keys& keys, std::vector<float>& scores) const {
     const int64_t C = kChunks ? kChunks : dim / kLanes, D = C * kLanes, G = kGroup ? kGroup : heads / kv_heads;
-    const int64_t slot_width = kv_heads * D, lo = keys.lo, hi = keys.hi;
+    const int64_t slot_width = kv_heads * row_width, lo = keys.lo, hi = keys.hi;
     const int64_t width = (hi - lo + kLanes - 1) / kLanes * kLanes + kLanes;
     scores.resize(kR * G * width);
     auto row_scores = [&](int r, int64_t g) { return scores.data() + (r * G + g) * width; };
@@ -221,7 +232,7 @@ struct Attend {
     f32x16 key[kC];
 
     // Scores 16 keys at a time, each key loaded once for every row and query head of the tile.
-    if constexpr (kPairs<scalar_t, kChunks>) {
+    if constexpr (kPaired) {
       pair_scores<kR>(row0, head, first_pass, keys, scores.data(), width);
     } else {
       // The tile's queries widened to float32 once (exactly), rather than once per key.
@@ -237,8 +248,8 @@ struct Attend {
             if (i + kLanes < hi - lo) prefetch(k + keys.slots[i + kLanes], slot_width);
             prefetch(v + keys.slots[i], slot_width);
           }
-          const scalar_t* key_row = k + keys.slots[i] + head * D;
-          for (int64_t c = 0; c < C; ++c) key[c] = load16(key_row + c * kLanes);
+          const cache_t* key_row = k + keys.slots[i] + head * row_width;
+          for (int64_t c = 0; c < C; ++c) key[c] = Row::load(key_row, D, c * kLanes);
           for (int r = 0; r < kR; ++r)
             for (int64_t g = 0; g < G; ++g) {
               const float* query = wide_queries[r][g];
@@ -266,7 +277,7 @@ struct Attend {
         f32x16 sum = {};
         for (int64_t j = 0; j < padded; j += kLanes) {
           f32x16 e = exp_nonpositive(load16(s + j) - top);
-          if constexpr (kPairs<scalar_t, kChunks>) e = round_to_bf16(e);
+          if constexpr (kPaired) e = round_to_bf16(e);
           e = select(lane_index() + static_cast<int32_t>(j) < static_cast<int32_t>(n), e, f32x16{});  // padding: 0
           store16(s + j, e);
           sum += e;
@@ -274,7 +285,7 @@ struct Attend {
         total[r][g] = lane_sum(sum);
       }
     }
-    if constexpr (kPairs<scalar_t, kChunks>) {
+    if constexpr (kPaired) {
       weighted_pairs<kR>(row0, head, keys, scores.data(), width, total);
       return;
     }
@@ -289,8 +300,8 @@ struct Attend {
         for (int64_t g = 0; g < G; ++g)
           for (int c = 0; c < kDimChunks; ++c) acc[r][g][c] = f32x16{};
       for (int64_t position = keys.begin; position < hi; ++position) {
-        const scalar_t* value_row = v + keys.slots[position - lo] + head * D + c0 * kLanes;
-        for (int64_t c = 0; c < chunks; ++c) key[c] = load16(value_row + c * kLanes);
+        const cache_t* value_row = v + keys.slots[position - lo] + head * row_width;
+        for (int64_t c = 0; c < chunks; ++c) key[c] = Row::load(value_row, D, (c0 + c) * kLanes);
         for (int r = 0; r < kR; ++r) {
           if (position < keys.first[r] || position >= keys.last[r]) continue;
           for (int64_t g = 0; g < G; ++g) {
@@ -461,13 +472,13 @@ struct Scores {
 // empty): the blocks of 16 keys from its rows' first key to their last, in a buffer of the calling thread's that
 // is kept between calls (no fresh pages per layer).  It holds one layer's keys of those spans at most: a bound of
 // the KV cache's size / (2 x layers).
-template <typename scalar_t, int kChunks>
+template <typename scalar_t, int kChunks, typename Row>
 std::vector<TransposedKeys> transpose_spans(const at::Tensor& k, const at::Tensor& pages, const at::Tensor& row_span,
                                             const at::Tensor& row_keys, int64_t page_size, int64_t window,
                                             const std::vector<int64_t>& tiles) {
   std::vector<TransposedKeys> spans(pages.size(0));
 #if defined(__AVX512BF16__)
-  if constexpr (kPairs<scalar_t, kChunks>) {
+  if constexpr (kPairs<scalar_t, kChunks, Row>) {
     constexpr int64_t D = kChunks * kLanes, kBlockSize = D / 2 * kLanes;
     const int32_t *span_of = row_span.data_ptr<int32_t>(), *keys_of = row_keys.data_ptr<int32_t>();
     std::vector<int64_t> tile_count(spans.size()), first(spans.size(), std::numeric_limits<int64_t>::max()),
@@ -523,7 +534,7 @@ std::vector<TransposedKeys> transpose_spans(const at::Tensor& k, const at::Tenso
   return spans;
 }
 
-template <typename scalar_t, int kChunks, int kGroup = 0>
+template <typename scalar_t, int kChunks, int kGroup = 0, typename Row = ModelRow<scalar_t>>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pages,
             const at::Tensor& row_span, const at::Tensor& row_keys, int64_t page_size, const Scores& scores,
             at::Tensor& out) {
@@ -536,17 +547,21 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       tiles.push_back(row);
   const int64_t count = static_cast<int64_t>(tiles.size());
   tiles.push_back(rows);
-  const std::vector<TransposedKeys> transposed = transpose_spans<scalar_t, kChunks>(
+  const std::vector<TransposedKeys> transposed = transpose_spans<scalar_t, kChunks, Row>(
       k, pages, row_span, row_keys, page_size, scores.window, tiles);
-  const Attend<scalar_t, kChunks, kGroup> work{q.data_ptr<scalar_t>(),   k.data_ptr<scalar_t>(),
-                                               v.data_ptr<scalar_t>(),   pages.data_ptr<int32_t>(),
+  using cache_t = typename Row::element;
+  const Attend<scalar_t, kChunks, kGroup, Row> work{q.data_ptr<scalar_t>(),
+                                               static_cast<const cache_t*>(k.data_ptr()),
+                                               static_cast<const cache_t*>(v.data_ptr()),
+                                               pages.data_ptr<int32_t>(),
                                                span_of,                  keys,
                                                out.data_ptr<scalar_t>(), q.stride(0),
                                                q.size(1),                k.size(1),
                                                q.size(2),                pages.size(1),
                                                page_size,                scores.window,
                                                scores.scale,             scores.softcap,
-                                               tiles.data(),             transposed.data()};
+                                               tiles.data(),             transposed.data(),
+                                               Row::width(q.size(2))};
   // Tiles are the work items, unless there are fewer of them than threads (decoding one sequence on two cores)
   // and they have keys enough to be worth sharing: then each (tile, kv head) is one, so that the threads share a
   // tile's heads rather than one attending alone while the others wait (below kShareHeadsKeys, waking the other
@@ -576,21 +591,33 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
 
 // attend with the query heads per kv head fixed at compile time for the common groups (bfloat16, and float32,
 // which CPUs without AVX-512 run), else at run time.
-template <typename scalar_t, int kChunks>
+template <typename scalar_t, int kChunks, typename Row>
 void attend_grouped(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pages,
                     const at::Tensor& row_span, const at::Tensor& row_keys, int64_t page_size, const Scores& scores,
                     at::Tensor& out) {
   if constexpr (!std::is_same_v<scalar_t, c10::Half>) {
     switch (q.size(1) / k.size(1)) {
-      case 1: return attend<scalar_t, kChunks, 1>(q, k, v, pages, row_span, row_keys, page_size, scores, out);
-      case 2: return attend<scalar_t, kChunks, 2>(q, k, v, pages, row_span, row_keys, page_size, scores, out);
-      case 3: return attend<scalar_t, kChunks, 3>(q, k, v, pages, row_span, row_keys, page_size, scores, out);
-      case 4: return attend<scalar_t, kChunks, 4>(q, k, v, pages, row_span, row_keys, page_size, scores, out);
-      case 8: return attend<scalar_t, kChunks, 8>(q, k, v, pages, row_span, row_keys, page_size, scores, out);
+      case 1: return attend<scalar_t, kChunks, 1, Row>(q, k, v, pages, row_span, row_keys, page_size, scores, out);
+      case 2: return attend<scalar_t, kChunks, 2, Row>(q, k, v, pages, row_span, row_keys, page_size, scores, out);
+      case 3: return attend<scalar_t, kChunks, 3, Row>(q, k, v, pages, row_span, row_keys, page_size, scores, out);
+      case 4: return attend<scalar_t, kChunks, 4, Row>(q, k, v, pages, row_span, row_keys, page_size, scores, out);
+      case 8: return attend<scalar_t, kChunks, 8, Row>(q, k, v, pages, row_span, row_keys, page_size, scores, out);
       default: break;
     }
   }
-  attend<scalar_t, kChunks>(q, k, v, pages, row_span, row_keys, page_size, scores, out);
+  attend<scalar_t, kChunks, 0, Row>(q, k, v, pages, row_span, row_keys, page_size, scores, out);
+}
+
+// attend_grouped with head_dim / 16 fixed at compile time for the common head sizes (64, 128), else at run time.
+template <typename scalar_t, typename Row>
+void attend_sized(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pages,
+                  const at::Tensor& row_span, const at::Tensor& row_keys, int64_t page_size, const Scores& scores,
+                  at::Tensor& out) {
+  switch (q.size(2) / kLanes) {
+    case 4: return attend_grouped<scalar_t, 4, Row>(q, k, v, pages, row_span, row_keys, page_size, scores, out);
+    case 8: return attend_grouped<scalar_t, 8, Row>(q, k, v, pages, row_span, row_keys, page_size, scores, out);
+    default: return attend<scalar_t, 0, 0, Row>(q, k, v, pages, row_span, row_keys, page_size, scores, out);
+  }
 }
 
 }  // namespace
@@ -601,10 +628,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(q.device().is_cpu(), "paged_attention runs on CPU");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [rows, heads, dim]");
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "the cache must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "q, k, v dtypes differ");
-  TORCH_CHECK(q.size(1) % k.size(1) == 0 && q.size(2) == k.size(2), "head counts or sizes do not match");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k.sizes() == v.sizes(), "the K and V caches differ");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, "head counts do not match");
   TORCH_CHECK(q.size(1) / k.size(1) <= kMaxGroup, "at most ", kMaxGroup, " query heads per kv head");
   TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= kLanes * kMaxChunks, "head_dim must be a multiple of 16, <= 256");
+  const KvFormat format = kv_format(k, q.scalar_type(), q.size(2));  // checks the rows' width
   TORCH_CHECK(pages.scalar_type() == at::kInt && row_span.scalar_type() == at::kInt &&
                   row_keys.scalar_type() == at::kInt, "index tensors must be int32");
   // rows may be strided (q is usually a slice of the fused qkv output); heads and dims must be packed
@@ -614,10 +642,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const Scores scores{static_cast<float>(scale), static_cast<float>(softcap), window};
   auto run = [&](auto zero) {
     using scalar_t = decltype(zero);
-    switch (q.size(2) / kLanes) {
-      case 4: attend_grouped<scalar_t, 4>(qc, k, v, table, spans, keys, page_size, scores, out); break;
-      case 8: attend_grouped<scalar_t, 8>(qc, k, v, table, spans, keys, page_size, scores, out); break;
-      default: attend<scalar_t, 0>(qc, k, v, table, spans, keys, page_size, scores, out);
+    switch (format) {
+      case KvFormat::kModel:
+        return attend_sized<scalar_t, ModelRow<scalar_t>>(qc, k, v, table, spans, keys, page_size, scores, out);
+      case KvFormat::kFp8: return attend_sized<scalar_t, Fp8Row>(qc, k, v, table, spans, keys, page_size, scores, out);
+      case KvFormat::kQ8: return attend_sized<scalar_t, Q8Row>(qc, k, v, table, spans, keys, page_size, scores, out);
     }
   };
   switch (q.scalar_type()) {
