@@ -58,15 +58,29 @@ struct ModelRow {
   static f32x16 load(const T* row, int64_t /*dim*/, int64_t at) { return load16(row + at); }
 };
 
-// float8 e4m3fn: widened by placing its exponent and mantissa in a float32's (exact for every finite value, the
-// subnormals included), then scaling by 2^(127 - 7).
+// float8 e4m3fn: its bits placed in a float16's (sign to sign; exponent and mantissa to the exponent's low 4 bits
+// and the mantissa's top 3), converted by the CPU's float16 conversion (subnormals too, with no denormal
+// float32 on the way), then scaled by 2^(15 - 7): exact for every finite value.  The byte sign-extended to 16 bits
+// and shifted left by 7 has its sign in bit 15 and its other bits in 13..7.
 struct Fp8Row {
   using element = c10::Float8_e4m3fn;
   static int64_t width(int64_t dim) { return dim; }
   static f32x16 load(const element* row, int64_t /*dim*/, int64_t at) {
-    const u32x16 bytes = vector_cast<u32x16>(widen_int8(reinterpret_cast<const int8_t*>(row + at))) & 0xFFu;
-    const u32x16 bits = ((bytes & 0x80u) << 24) | ((bytes & 0x7Fu) << 20);
-    return vector_cast<f32x16>(bits) * 0x1p120f;
+    const auto* bytes = reinterpret_cast<const __m128i*>(row + at);
+#if defined(__AVX512F__)
+    const __m256i halves = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(bytes)), 7),
+                                            _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+    return (f32x16)_mm512_cvtph_ps(halves) * 256.0f;
+#elif defined(__AVX2__)
+    const __m256i halves = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(bytes)), 7),
+                                            _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+    return f32x16{(f32x8)_mm256_cvtph_ps(_mm256_castsi256_si128(halves)),
+                  (f32x8)_mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1))} * 256.0f;
+#else
+    float wide[kLanes];
+    for (int l = 0; l < kLanes; ++l) wide[l] = static_cast<float>(row[at + l]);
+    return load16(wide);
+#endif
   }
   static void store(const float* x, int64_t dim, element* row) {
     for (int64_t d = 0; d < dim; ++d) row[d] = c10::Float8_e4m3fn(std::clamp(x[d], -kFp8Max, kFp8Max));
