@@ -101,6 +101,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.fiberserve.silu_mul(gate_up)
 
 
+def lora_add(
+    out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, layout: list[int]
+) -> None:
+    """``out[rows] += `` an adapter's low-rank product of ``x[rows]``, in place: coordinates ``x a^T`` (``a`` [R, K],
+    rounded to its dtype), then per part ``(start, end, first, last, offset)`` of ``layout`` the coordinates
+    ``first:last`` times the part's B transposed ([last - first, end - start] at element ``offset`` of ``bt``)
+    added to columns ``start:end``.  A row's bits depend on the row alone (see the C++ source)."""
+    torch.ops.fiberserve.lora_add(out, x, rows, a, bt, layout)
+
+
 #: Gate (then up) features per chunk of a gated product's weight rows: half a column group of each kernel.
 BF16_GATE_CHUNK = 32
 QUANT_GATE_CHUNK = 16
@@ -332,8 +342,9 @@ def decoder_layers(
     :func:`quant_linear`, one without :func:`bf16_linear`.
 
     ``lora``: LoRA adapters' additions (:meth:`.LoraRows.kernel_args`: the rows of each group, their counts, the
-    adapters' packed A and B, their layout), added to their rows after each product; ``gate_chunks``: each
-    layer's gate/up interleaving chunk, with which their rows' gate and up are recomputed before the activation.
+    adapters' A and B transposed, their layout: see :func:`lora_add`), added to their rows after each product;
+    ``gate_chunks``: each layer's gate/up interleaving chunk, with which their rows' gate and up are recomputed
+    before the activation.
     """
     tables = (*attention, heads, eps, dtype)  # pages, row_span, row_keys, page_size, scale, ...
     torch.ops.fiberserve.decoder_layers(

@@ -26,6 +26,7 @@ SOURCES = (
     "gguf_blocks.cpp",
     "top_k.cpp",
     "decoder_layers.cpp",
+    "lora.cpp",
 )
 #: Flags every variant compiles and links with; the variant adds its target.
 COMPILE_FLAGS = ("-O3", "-fopenmp")

@@ -293,7 +293,7 @@ class LlamaModel:
     def run_layers(self, inputs: LayerInputs) -> torch.Tensor:
         """The decoder layers over :meth:`prepare`'s inputs (K/V written into its cache), then the final norm of
         the rows whose logits are asked for: float32 [R, hidden].  LoRA adapters' products are added to their rows
-        (in the C++ loop where they are all the ``bf16_linear`` kernel's, else in the Python one)."""
+        (by :func:`.kernels.lora_add`, in the C++ loop where it takes them all)."""
         h, attention = inputs.h, inputs.attention
         lora = inputs.lora.kernel_args() if inputs.lora else NO_LORA
         if self.native_layers is not None and isinstance(attention, PagedKernelAttention) and lora is not None:

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
+from fiberserve import kernels
 from fiberserve.model.config import ModelConfig
 from fiberserve.model.gguf_file import GgufFile
-from fiberserve.model.linear import Linear
 from fiberserve.model.loader import GGUF_ARCH_LAYER_NAMES, GGUF_LAYER_NAMES, dequantized, unpermute
 
 #: The modules an adapter may target (PEFT's names); Phi-3's fused ones cover a whole product.
@@ -82,40 +82,50 @@ def placements(config: ModelConfig) -> dict[str, Placement]:
 
 class LowRank:
     """One adapter's addition to one product of one layer: ``x @ a.T`` gives every part's rank coordinates
-    (``a``: the parts' A matrices stacked, zero rows up to a multiple of 16 so that the extension's kernel takes
-    it); a part adds ``coordinates[:, first:last] @ b.T`` (``b`` scaled) to the output columns ``start:end``.
-    The products are :class:`.Linear`'s: in bf16 on a CPU the extension's kernel, whose rows are the same bits
-    in any batch."""
+    (``a``: the parts' A matrices stacked), rounded to the adapter's dtype; a part adds ``coordinates[:, first:last]
+    @ b.T`` (``b`` scaled) to the output columns ``start:end``.  ``bt`` holds each part's ``b.T`` flattened, from
+    element ``offset``: the layout :func:`.kernels.lora_add` takes, which runs it on a CPU (a row's bits depend on
+    the row alone); PyTorch's products elsewhere."""
 
     def __init__(self, parts: list[tuple[Placement, torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> None:
-        ranks = [a.shape[0] for _, a, _ in parts]
-        a = torch.zeros(-(-sum(ranks) // 16) * 16, parts[0][1].shape[1])
-        self.parts: list[tuple[int, int, int, int, Linear]] = []
-        first = 0
-        for (place, part_a, part_b), rank in zip(parts, ranks, strict=True):
-            a[first : first + rank] = part_a
-            self.parts.append((place.start, place.end, first, first + rank, Linear(part_b.to(dtype).contiguous())))
-            first += rank
-        self.a = Linear(a.to(dtype))
+        self.a = torch.cat([part_a for _, part_a, _ in parts]).to(dtype).contiguous()
+        self.layout: list[int] = []  #: (start, end, first, last, offset) per part
+        blocks, first, offset = [], 0, 0
+        for place, part_a, part_b in parts:
+            rank = part_a.shape[0]
+            blocks.append(part_b.t().to(dtype).flatten())
+            self.layout += [place.start, place.end, first, first + rank, offset]
+            first, offset = first + rank, offset + blocks[-1].numel()
+        self.bt = torch.cat(blocks)
         self.dtype = dtype
+        widths = [self.a.shape[1]] + [
+            end - start for start, end in zip(self.layout[::5], self.layout[1::5], strict=True)
+        ]
+        #: Whether :func:`.kernels.lora_add` takes it (on a CPU).
+        self.kernel_fits = dtype in (torch.float32, torch.bfloat16) and all(w % 16 == 0 for w in widths)
 
     def kernel_layout(self) -> tuple[list[int], list[torch.Tensor]] | None:
         """This addition as :func:`.kernels.decoder_layers` takes it: its count of parts, each part's (start, end,
-        first, last), and A's and each B's packed weight; None where a product is not the ``bf16_linear``
-        kernel's."""
-        linears = [self.a, *(b for *_, b in self.parts)]
-        if not all(linear.bf16_kernel for linear in linears):
+        first, last, offset), and ``a`` and ``bt``; None where :func:`.kernels.lora_add` does not take it."""
+        if not self.kernel_fits:
             return None
-        ints = [len(self.parts)] + [n for start, end, first, last, _ in self.parts for n in (start, end, first, last)]
-        return ints, [linear.weight for linear in linears]
+        return [len(self.layout) // 5, *self.layout], [self.a, self.bt]
 
-    def added_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y`` (the product's output for the rows ``x``) plus this addition, in float32."""
-        coordinates = self.a(x.to(self.dtype), wide=True).to(self.dtype)
-        out = y.float()  # a copy where y is not float32; y itself (updated) where it is
-        for start, end, first, last, b in self.parts:
-            out[:, start:end] += b(coordinates[:, first:last].contiguous(), wide=True).float()
-        return out
+    def add_to(self, out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor) -> None:
+        """``out[rows]`` (the product's output for the input ``x``) plus this addition for ``x[rows]``, in place in
+        ``out``'s dtype."""
+        x = x.to(self.dtype)
+        if out.device.type == "cpu" and self.kernel_fits:
+            kernels.load()
+            kernels.lora_add(out, x, rows, self.a, self.bt, self.layout)
+            return
+        coordinates = (x[rows].float() @ self.a.float().T).to(self.dtype).float()
+        added = out[rows].float()
+        for p in range(0, len(self.layout), 5):
+            start, end, first, last, offset = self.layout[p : p + 5]
+            bt = self.bt[offset : offset + (last - first) * (end - start)].view(last - first, end - start)
+            added[:, start:end] += coordinates[:, first:last] @ bt.float()
+        out[rows] = added.to(out.dtype)
 
 
 class LoraAdapter:
@@ -134,7 +144,7 @@ class LoraAdapter:
     @property
     def kernel_layout(self) -> tuple[list[int], list[torch.Tensor]] | None:
         """Every layer's additions as :func:`.kernels.decoder_layers` takes them (per layer, the products qkv, o,
-        gate_up, down: a count of parts, 0 for none), or None where one is not the ``bf16_linear`` kernel's."""
+        gate_up, down: a count of parts, 0 for none), or None where :func:`.kernels.lora_add` does not take one."""
         return self._kernel_layout
 
     @classmethod
@@ -289,7 +299,7 @@ class LoraRows:
 
     def kernel_args(self) -> tuple[torch.Tensor, list[int], list[torch.Tensor], list[int]] | None:
         """The groups as :func:`.kernels.decoder_layers` takes them (rows, their counts, tensors, layout), or
-        None where an adapter's products are not all the ``bf16_linear`` kernel's."""
+        None where :func:`.kernels.lora_add` does not take all of an adapter's additions."""
         layouts = [adapter.kernel_layout for adapter, _ in self.groups]
         if any(layout is None for layout in layouts):
             return None
@@ -300,11 +310,11 @@ class LoraRows:
 
     def add(self, layer: int, product: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (``product``'s output of layer ``layer`` for the input ``x``) with each group's rows plus its
-        adapter's addition, in ``y``'s dtype; other rows untouched."""
+        adapter's addition, in ``y``'s dtype, in place; other rows untouched."""
         for adapter, rows in self.groups:
             low = adapter.layers[layer].get(product)
             if low is not None:
-                y[rows] = low.added_to(x[rows], y[rows]).to(y.dtype)
+                low.add_to(y, x, rows)
         return y
 
     def gate_up(self, layer: int, gate_up, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -314,5 +324,7 @@ class LoraRows:
             low = adapter.layers[layer].get("gate_up")
             if low is not None:
                 xs = x[rows]
-                y[rows] = gate_up.activate(low.added_to(xs, gate_up.pre_activation(xs))).to(y.dtype)
+                pre = gate_up.pre_activation(xs)
+                low.add_to(pre, xs, torch.arange(len(rows)))
+                y[rows] = gate_up.activate(pre).to(y.dtype)
         return y

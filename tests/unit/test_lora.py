@@ -24,6 +24,38 @@ def adapter_logits(model: LlamaModel, adapter: LoraAdapter | None, tokens: list[
     return model.forward(batch, cache)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_add_adds_the_low_rank_product_to_its_rows_only_each_row_alone_in_its_bits(dtype):
+    """Two parts (ranks 3 and 5, their coordinates rounded to the adapter's dtype) into columns 0:32 and 48:64 of
+    rows 1 and 3; the other rows and columns keep their bits; a row added alone gets the bits it gets beside
+    others."""
+    from fiberserve import kernels
+
+    kernels.load()
+    torch.manual_seed(4)
+    x = torch.randn(5, 48).to(dtype)
+    a = torch.randn(8, 48).to(dtype)
+    b1, b2 = torch.randn(32, 3).to(dtype), torch.randn(16, 5).to(dtype)
+    bt = torch.cat([b1.t().flatten(), b2.t().flatten()])
+    layout = [0, 32, 0, 3, 0, 48, 64, 3, 8, 96]
+    out = torch.randn(5, 64).to(dtype)
+    before = out.clone()
+    rows = torch.tensor([3, 1])
+    kernels.lora_add(out, x, rows, a, bt, layout)
+    coordinates = (x.float() @ a.float().t()).to(dtype).float()
+    expected = before.float().clone()  # (a float32 tensor's .float() is itself)
+    expected[:, :32] += coordinates[:, :3] @ b1.float().t()
+    expected[:, 48:64] += coordinates[:, 3:] @ b2.float().t()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[rows].float(), expected[rows], atol=tolerance, rtol=tolerance)
+    assert torch.equal(out[[0, 2, 4]], before[[0, 2, 4]]) and torch.equal(out[rows, 32:48], before[rows, 32:48])
+    alone = before.clone()
+    kernels.lora_add(alone, x, torch.tensor([1]), a, bt, layout)
+    assert torch.equal(alone[1], out[1])
+    with pytest.raises(RuntimeError, match="part 1 does not fit"):
+        kernels.lora_add(out, x, rows, a, bt[:-1], layout)
+
+
 @pytest.mark.parametrize("rank", [8, 64])
 @pytest.mark.parametrize("base", ["hf", "gguf"])
 def test_an_adapter_gives_transformers_peft_logits_on_the_merged_model(tiny_dirs, tmp_path, rank, base):

@@ -50,9 +50,8 @@ struct Linears {
 
 // Each LoRA adapter's additions to its rows, from flat lists: the rows of every group one after another (`rows`,
 // `groups` the count of each), and per group, layer and linear layer (4 per layer) an entry of `layout`: its count
-// of parts, then (start, end, first, last) per part; an entry with parts takes 1 + parts tensors: A stacked [R, K]
-// and each part's B [end - start, last - first], packed for bf16_linear.  A part adds
-// (x A^T)[:, first:last] B^T to the output columns start:end.
+// of parts, then (start, end, first, last, offset) per part; an entry with parts takes 2 tensors, A and the parts'
+// B transposed, as lora_add takes them (lora.cpp).
 class LoraAdditions {
  public:
   LoraAdditions(const std::optional<at::Tensor>& rows, c10::IntArrayRef groups, const std::vector<at::Tensor>& tensors,
@@ -68,8 +67,8 @@ class LoraAdditions {
         TORCH_CHECK(ints < layout.size(), "decoder_layers: the LoRA layout is shorter than its groups need");
         group.entries.push_back({ints, weights});
         const int64_t parts = layout[ints];
-        ints += 1 + 4 * static_cast<size_t>(parts);
-        weights += parts ? 1 + static_cast<size_t>(parts) : 0;
+        ints += 1 + 5 * static_cast<size_t>(parts);
+        weights += parts ? 2 : 0;
       }
       groups_.push_back(std::move(group));
     }
@@ -79,18 +78,13 @@ class LoraAdditions {
 
   // y (the output of linear layer `slot` for the input x) with each group's rows plus its adapter's addition.
   void add(at::Tensor& y, const at::Tensor& x, size_t slot) const {
-    for (const Group& group : groups_) {
-      const Entry& entry = group.entries[slot];
-      if (layout_[entry.ints] == 0) continue;
-      const at::Tensor added = added_to(entry, x.index_select(0, group.rows), y.index_select(0, group.rows).to(at::kFloat));
-      y.index_copy_(0, group.rows, added.to(y.scalar_type()));
-    }
+    for (const Group& group : groups_) add_group(y, x, group, slot);
   }
 
   // silu(gate) * up of gate/up linear layer `slot` (its rows interleaved in `chunk`s: see GateUp in linear.py) for
   // x, in dtype: the gated product where no group adds to it; else one float32 product for every row, the base
-  // rows' activation by silu_mul of it rounded to dtype (the gated product's bits), each group's rows' from it
-  // plus the adapter's additions.
+  // rows' activation by silu_mul of it rounded to dtype (the gated product's bits), the groups' rows' from it
+  // plus their adapters' additions.
   at::Tensor gate_up(const at::Tensor& x, size_t slot, const Linears& linear, int64_t chunk, at::ScalarType dtype,
                      const PrefetchPlan* prefetch) const {
     const bool adds = std::any_of(groups_.begin(), groups_.end(),
@@ -98,16 +92,19 @@ class LoraAdditions {
     if (!adds) return linear(x, slot, dtype, /*gated=*/true, prefetch);
     const at::Tensor both = linear(x, slot, at::kFloat, /*gated=*/false, prefetch);
     const int64_t rows = both.size(0), features = both.size(1) / 2;
-    const at::Tensor gate_then_up =
+    at::Tensor gate_then_up =
         both.view({rows, features / chunk, 2, chunk}).transpose(1, 2).reshape({rows, 2 * features});
     at::Tensor y = silu_mul(gate_then_up.to(dtype));
-    for (const Group& group : groups_) {
-      const Entry& entry = group.entries[slot];
-      if (layout_[entry.ints] == 0) continue;
-      const at::Tensor pre = added_to(entry, x.index_select(0, group.rows), gate_then_up.index_select(0, group.rows));
-      const at::Tensor out = at::silu(pre.narrow(1, 0, features)) * pre.narrow(1, features, features);
-      y.index_copy_(0, group.rows, out.to(dtype));
-    }
+    std::vector<at::Tensor> adapted;  // the rows of the groups that add to it (the others keep the base bits)
+    for (const Group& group : groups_)
+      if (layout_[group.entries[slot].ints] != 0) {
+        add_group(gate_then_up, x, group, slot);
+        adapted.push_back(group.rows);
+      }
+    const at::Tensor rows_added = adapted.size() == 1 ? adapted[0] : at::cat(adapted);
+    const at::Tensor pre = gate_then_up.index_select(0, rows_added);
+    const at::Tensor out = at::silu(pre.narrow(1, 0, features)) * pre.narrow(1, features, features);
+    y.index_copy_(0, rows_added, out.to(dtype));
     return y;
   }
 
@@ -120,19 +117,12 @@ class LoraAdditions {
     std::vector<Entry> entries;  // one per linear layer
   };
 
-  // out (float32 rows) plus the entry's parts for the input rows x.
-  at::Tensor added_to(const Entry& entry, const at::Tensor& x, at::Tensor out) const {
+  void add_group(at::Tensor& y, const at::Tensor& x, const Group& group, size_t slot) const {
+    const Entry& entry = group.entries[slot];
     const int64_t parts = layout_[entry.ints];
-    const at::Tensor coordinates =
-        bf16_linear(x.to(at::kBFloat16), tensors_[entry.weights], std::nullopt, at::kFloat, false).to(at::kBFloat16);
-    for (int64_t p = 0; p < parts; ++p) {
-      const int64_t* part = &layout_[entry.ints + 1 + 4 * static_cast<size_t>(p)];  // start, end, first, last
-      const at::Tensor b = tensors_[entry.weights + 1 + static_cast<size_t>(p)];
-      out.narrow(1, part[0], part[1] - part[0])
-          .add_(bf16_linear(coordinates.narrow(1, part[2], part[3] - part[2]).contiguous(), b, std::nullopt, at::kFloat,
-                            false));
-    }
-    return out;
+    if (parts == 0) return;
+    lora_add(y, x, group.rows, tensors_[entry.weights], tensors_[entry.weights + 1],
+             layout_.slice(entry.ints + 1, 5 * static_cast<size_t>(parts)));
   }
 
   const std::vector<at::Tensor>& tensors_;

@@ -102,6 +102,10 @@ at::Tensor race_rows(const at::Tensor& logits, const at::Tensor& inv_temperature
 
 std::tuple<at::Tensor, at::Tensor> top_k_rows(const at::Tensor& x, int64_t k);
 
+// out[rows] += an adapter's low-rank product of x[rows], in place (lora.cpp has the contract).
+void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& a, const at::Tensor& bt,
+              c10::IntArrayRef layout);
+
 void decoder_layers(at::Tensor& h, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                     const at::Tensor& write_slots, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& pages,
                     const at::Tensor& row_span, const at::Tensor& row_keys, int64_t page_size, double scale,
