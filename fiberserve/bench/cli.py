@@ -162,6 +162,25 @@ def cmd_kv_accuracy(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_depth(args: argparse.Namespace) -> int:
+    from fiberserve.bench.depth import depth_run, depth_table
+    from fiberserve.bench.report import machine
+    from fiberserve.config import EngineConfig
+    from fiberserve.engine.service import LlmService
+
+    service = LlmService.load(EngineConfig(model=args.model, cache_dir=args.cache_dir, kv_cache_mb=16))
+    results = []
+    for batch in args.batch:
+        for name in args.formats:
+            results.append(depth_run(service.model, name, args.depth, batch, args.steps))
+            print(depth_table(service.model_name, machine(), results[-1:]).splitlines()[-1], flush=True)
+    table = depth_table(service.model_name, machine(), results)
+    print(table)
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    return 0
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from fiberserve.bench import peers as P
     from fiberserve.model.assets import default_model_path
@@ -385,6 +404,16 @@ def main(argv: list[str]) -> int:
     accuracy.add_argument("--formats", nargs="+", default=["fp8_e4m3", "q8_0"], choices=KV_CACHE_DTYPES[1:])
     accuracy.add_argument("--cache-dir", default=str(default_cache_dir()))
     accuracy.add_argument("--markdown", help="write the table here too")
+    depth = sub.add_parser(
+        "depth", help="prefill and decode at a context depth, in process, per KV cache format (llama-batched-bench)"
+    )
+    depth.add_argument("--model", help="GGUF file or Hugging Face directory (default: the embedded model)")
+    depth.add_argument("--depth", type=_positive, default=4096, help="prompt tokens of each sequence")
+    depth.add_argument("--batch", type=_positive, nargs="+", default=[1, 16], help="sequences decoding at once")
+    depth.add_argument("--steps", type=_positive, default=32, help="decode steps measured")
+    depth.add_argument("--formats", nargs="+", default=["auto", "q8_0", "fp8_e4m3"], choices=KV_CACHE_DTYPES)
+    depth.add_argument("--cache-dir", default=str(default_cache_dir()))
+    depth.add_argument("--markdown", help="write the table here too")
     peak = sub.add_parser("peak", help="the CPU's dot-product peak and the compute bound it sets for a model")
     peak.add_argument("--model", help="GGUF file or Hugging Face directory (default: the embedded model)")
     peak.add_argument("--cache-dir", default=str(default_cache_dir()))
@@ -406,6 +435,8 @@ def main(argv: list[str]) -> int:
         return cmd_peak(args)
     if args.command == "kv-accuracy":
         return cmd_kv_accuracy(args)
+    if args.command == "depth":
+        return cmd_depth(args)
     args.fiberserve_args = shlex.split(args.fiberserve_args)
     return cmd_compare(args)
 

@@ -17,6 +17,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "ops.h"
@@ -24,6 +25,8 @@
 
 namespace fiberserve {
 namespace {
+
+constexpr int kChains = 4;  // independent sums in flight: coordinates, or blocks of 16 output columns
 
 template <typename in_t, typename out_t>
 void add_rows(out_t* out, int64_t out_stride, const in_t* x, int64_t x_stride, const int64_t* rows, int64_t count,
@@ -35,20 +38,32 @@ void add_rows(out_t* out, int64_t out_stride, const in_t* x, int64_t x_stride, c
     std::vector<float> coordinates(rank);
     for (int64_t i = begin; i < end; ++i) {
       const in_t* input = x + rows[i] * x_stride;
-      for (int64_t r = 0; r < rank; ++r) {
-        const in_t* weights = a + r * width;
-        f32x16 sum = load16(input) * load16(weights);
-        for (int64_t k = kLanes; k < width; k += kLanes) sum += load16(input + k) * load16(weights + k);
-        coordinates[r] = static_cast<float>(static_cast<in_t>(lane_sum(sum)));  // rounded to a's dtype
+      for (int64_t r = 0; r < rank; r += kChains) {  // kChains coordinates at a time, each its own chain
+        const int64_t chains = std::min<int64_t>(kChains, rank - r);
+        f32x16 sums[kChains];
+        for (int64_t c = 0; c < chains; ++c) sums[c] = load16(input) * load16(a + (r + c) * width);
+        for (int64_t k = kLanes; k < width; k += kLanes) {
+          const f32x16 in = load16(input + k);
+          for (int64_t c = 0; c < chains; ++c) sums[c] += in * load16(a + (r + c) * width + k);
+        }
+        for (int64_t c = 0; c < chains; ++c)  // rounded to a's dtype
+          coordinates[r + c] = static_cast<float>(static_cast<in_t>(lane_sum(sums[c])));
       }
       out_t* target = out + rows[i] * out_stride;
       for (int64_t p = 0; p < parts; ++p) {
         const int64_t *part = layout + 5 * p, start = part[0], columns = part[1] - part[0];
         const in_t* b = bt + part[4];
-        for (int64_t j = 0; j < columns; j += kLanes) {
-          f32x16 added = {};
-          for (int64_t r = part[2]; r < part[3]; ++r) added += coordinates[r] * load16(b + (r - part[2]) * columns + j);
-          store16(target + start + j, load16(target + start + j) + added);
+        for (int64_t j = 0; j < columns; j += kChains * kLanes) {  // kChains blocks of 16 columns at a time
+          const int64_t blocks = std::min<int64_t>(kChains, (columns - j) / kLanes);
+          f32x16 added[kChains] = {};
+          for (int64_t r = part[2]; r < part[3]; ++r) {
+            const in_t* b_row = b + (r - part[2]) * columns + j;
+            for (int64_t c = 0; c < blocks; ++c) added[c] += coordinates[r] * load16(b_row + c * kLanes);
+          }
+          for (int64_t c = 0; c < blocks; ++c) {
+            out_t* o = target + start + j + c * kLanes;
+            store16(o, load16(o) + added[c]);
+          }
         }
       }
     }
