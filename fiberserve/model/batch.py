@@ -80,8 +80,8 @@ class KVCache:
 
     def store(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write new tokens' keys and values [n, kv_heads, head_dim] (model dtype) into ``layer``'s ``slots``."""
-        self.k[layer].index_copy_(0, slots, self.format.quantize(keys))
-        self.v[layer].index_copy_(0, slots, self.format.quantize(values))
+        for cache, rows in ((self.k, keys), (self.v, values)):  # as bytes: index_copy_ takes no float8
+            cache[layer].view(torch.uint8).index_copy_(0, slots, self.format.quantize(rows).view(torch.uint8))
 
     @staticmethod
     def bytes_per_page(config: ModelConfig, page_size: int, format: KvFormat | torch.dtype) -> int:

@@ -39,7 +39,8 @@ class FileRows:
         ``self[index]``.  The table is valid until the next lookup."""
         with self._lock, torch.inference_mode():  # the table may have been made in inference mode
             distinct, where = np.unique(index.numpy().reshape(-1), return_inverse=True)
-            return self._table, torch.from_numpy(self._places(distinct)[where].reshape(index.shape))
+            places = torch.from_numpy(self._places(distinct)[where].reshape(index.shape))
+            return self._table, places  # the table after the lookup: it may have grown for it
 
     def _places(self, distinct: np.ndarray) -> np.ndarray:
         """The table places of the ``distinct`` rows, the missing ones read from the file first."""

@@ -34,8 +34,15 @@ class KvFormat:
         return self.storage in (torch.int8, torch.float8_e4m3fn)
 
     def row_width(self, head_dim: int) -> int:
-        """Elements of the cache tensor that one head's row of ``head_dim`` values takes."""
-        return head_dim + head_dim // Q8_BLOCK * 2 if self.storage == torch.int8 else head_dim
+        """Elements of the cache tensor that one head's row of ``head_dim`` values takes; a ValueError naming the
+        flag where the format cannot store such rows."""
+        if self.storage != torch.int8:
+            return head_dim
+        if head_dim % Q8_BLOCK:
+            raise ValueError(
+                f"--kv-cache-dtype q8_0 needs head_dim a multiple of {Q8_BLOCK}; this model's is {head_dim}"
+            )
+        return head_dim + head_dim // Q8_BLOCK * 2
 
     def row_bytes(self, head_dim: int) -> int:
         return self.row_width(head_dim) * torch.empty((), dtype=self.storage).element_size()

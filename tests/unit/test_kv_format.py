@@ -94,6 +94,25 @@ def test_rope_store_quantizes_as_the_python_side(name):
         assert not cache[slots[2]].view(torch.uint8).any()  # the padding row wrote nothing
 
 
+@pytest.mark.parametrize("name", ["auto", *QUANTIZED])
+def test_the_cache_stores_rows_in_its_format_at_their_slots(name):
+    """KVCache.store (the layer loop in PyTorch ops: Gemma's, a GPU's) writes each format's rows, nothing else."""
+    from fiberserve.model import KVCache
+    from fiberserve.model.config import ModelConfig
+    from tests.tiny_models import TINY
+
+    config = ModelConfig.from_hf(dict(TINY, model_type="llama", num_attention_heads=2, num_key_value_heads=1))
+    storage = kv_format(name, torch.bfloat16)
+    cache = KVCache(config, 4, PAGE, storage, "cpu")
+    keys = torch.randn(2, config.num_kv_heads, config.head_dim).to(torch.bfloat16)
+    slots = torch.tensor([5, 13])
+    cache.store(1, slots, keys, -keys)
+    for stored, rows in ((cache.k, keys), (cache.v, -keys)):
+        assert torch.equal(stored[1, slots].view(torch.uint8), storage.quantize(rows).view(torch.uint8))
+        assert not stored[0].view(torch.uint8).any() and stored[1].view(torch.uint8).count_nonzero() > 0
+        assert not stored[1, [s for s in range(4 * PAGE) if s not in (5, 13)]].view(torch.uint8).any()
+
+
 def test_a_q8_0_cache_needs_head_dim_in_blocks_of_32():
     q = torch.randn(1, 2, 16, dtype=torch.bfloat16)
     k = torch.zeros(PAGE, 2, 16 + 16 // Q8_BLOCK * 2, dtype=torch.int8)

@@ -323,3 +323,16 @@ def test_asking_whether_a_checkpoint_has_a_tensor_reads_nothing():
     weights = LazyWeights()
     weights.add("lm_head.weight", unreadable)
     assert "lm_head.weight" in weights and "model.norm.weight" not in weights
+
+
+def test_file_rows_hand_over_the_table_a_lookup_grew_for_more_rows_than_it_held():
+    """A lookup of more distinct rows than the table holds (a long prompt's logits re-scored: 512 rows x 8
+    candidates) gets the grown table with its places, not the table it replaced."""
+    from fiberserve.model.file_rows import CACHED_ROWS, FileRows
+
+    matrix = torch.randn(3 * CACHED_ROWS, 16)
+    rows = FileRows(lambda index: matrix[torch.from_numpy(index)], len(matrix), 16, torch.float32)
+    rows[torch.arange(10)]  # a table in use
+    index = torch.randperm(len(matrix))[: 2 * CACHED_ROWS].view(-1, 8)
+    table, places = rows.table_rows(index)
+    assert table.shape[0] >= 2 * CACHED_ROWS and torch.equal(table[places], matrix[index])
