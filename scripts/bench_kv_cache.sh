@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Long-context decode with each KV cache format: fiberserve (--kv-cache-dtype auto, q8_0, fp8_e4m3) and
 # llama-server (f16, then -ctk/-ctv q8_0), one server at a time on the same GGUF file.  Each level is closed-loop
-# forced completions of PROMPT_WORDS random words (about as many tokens), 64 greedy tokens streamed; the tables
-# (TPOT = time per output token once decoding, the long-context decode speed) go to OUT.
-# Usage: bash scripts/bench_kv_cache.sh [model.gguf] [concurrency levels...]   (default: the embedded model, 1 16)
+# forced completions of PROMPT_WORDS random words (about as many tokens), 64 greedy tokens streamed; the tables go
+# to OUT.  At one client TPOT is the long-context decode speed; with several, each one's TPOT also holds the other
+# requests' prefill chunks (fiberserve bench depth measures decode alone).
+# Usage: bash scripts/bench_kv_cache.sh [model.gguf] [concurrency levels...]   (default: the embedded model, 1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-$(.venv/bin/python -c 'from fiberserve.config import default_cache_dir as d; from fiberserve.model.assets import default_model_path as p; print(p(d()))')}
 shift || true
-LEVELS=${*:-1 16}
+LEVELS=${*:-1}
 PROMPT_WORDS=${PROMPT_WORDS:-4000}
 SLOTS=16
 CONTEXT=$((SLOTS * (PROMPT_WORDS + 400)))
