@@ -29,10 +29,6 @@ class KvFormat:
     name: str  #: the ``--kv-cache-dtype`` value it answers to (auto resolved)
     storage: torch.dtype  #: the cache tensor's dtype
 
-    @property
-    def quantized(self) -> bool:
-        return self.storage in (torch.int8, torch.float8_e4m3fn)
-
     def row_width(self, head_dim: int) -> int:
         """Elements of the cache tensor that one head's row of ``head_dim`` values takes; a ValueError naming the
         flag where the format cannot store such rows."""

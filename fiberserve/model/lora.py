@@ -98,9 +98,7 @@ class LowRank:
             first, offset = first + rank, offset + blocks[-1].numel()
         self.bt = torch.cat(blocks)
         self.dtype = dtype
-        widths = [self.a.shape[1]] + [
-            end - start for start, end in zip(self.layout[::5], self.layout[1::5], strict=True)
-        ]
+        widths = [self.a.shape[1], *(place.end - place.start for place, _, _ in parts)]
         #: Whether :func:`.kernels.lora_add` takes it (on a CPU).
         self.kernel_fits = dtype in (torch.float32, torch.bfloat16) and all(w % 16 == 0 for w in widths)
 
