@@ -11,6 +11,12 @@ Two deployments make the application:
   ``/health`` reports the replicas running against the target; ``/metrics`` is every replica's series, each
   labelled with its replica, as pushed to :class:`MetricsBoard`.
 
+LoRA adapters loaded or unloaded while serving reach every replica: the frontend forwards ``/v1/load_lora_adapter``
+(or unload) to one replica, which checks and applies it; once that replica accepts, the frontend records the change
+in :class:`AdapterRegistry` and stamps every later request with the registry's version. A replica that sees a newer
+version brings its adapters in line with the registry before it serves the request (a replica started later by the
+autoscaler too), so a request naming a just-loaded adapter finds it on whichever replica it lands.
+
 :func:`run_cluster` starts a local Ray instance (or joins ``ray_address``), deploys the application, and serves
 until SIGINT/SIGTERM, which drains in-flight requests (Serve's graceful shutdown, ``shutdown_timeout`` seconds).
 """
@@ -26,6 +32,7 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator, MutableMapping
+from pathlib import Path
 from typing import Any
 
 from fiberserve.config import ServerConfig
@@ -35,8 +42,15 @@ log = logging.getLogger("fiberserve.cluster")
 
 #: The Serve application's name (``serve status``), and its deployments'.
 APP_NAME, ENGINE, FRONTEND = "fiberserve", "EngineReplica", "Frontend"
-#: Named Ray actor holding each replica's latest metrics.
-METRICS_BOARD = "fiberserve-metrics"
+#: Named Ray actors: each replica's latest metrics; the LoRA adapters every replica serves.
+METRICS_BOARD, ADAPTER_REGISTRY = "fiberserve-metrics", "fiberserve-adapters"
+#: The routes that change the adapters served, and whether each loads (True) or unloads.
+ADAPTER_ROUTES = {
+    "/v1/load_lora_adapter": True,
+    "/load_lora_adapter": True,
+    "/v1/unload_lora_adapter": False,
+    "/unload_lora_adapter": False,
+}
 #: Seconds between two pushes of a replica's metrics, and after which a replica's last push no longer counts.
 METRICS_PUSH_S, METRICS_STALE_S = 2.0, 7.0
 #: The response header naming the replica that answered.
@@ -55,6 +69,7 @@ class ForwardedRequest:
     headers: list[tuple[bytes, bytes]]
     body: bytes
     prompt: str
+    adapters_version: int = 0  # the AdapterRegistry version the replica must have caught up with
 
 
 def prompt_text(body: bytes) -> str:
@@ -102,6 +117,29 @@ class MetricsBoard:
         return {r: text for r, (_, text) in self.texts.items()}
 
 
+class AdapterRegistry:
+    """The LoRA adapters every replica serves, by name (a named actor: the frontend writes, replicas read).
+    ``version`` counts the changes; version 0 is ``--lora-modules``, which every replica loads at start."""
+
+    def __init__(self, lora_modules: tuple[str, ...]) -> None:
+        from fiberserve.engine.adapters import lora_module
+
+        self.version = 0
+        self.table = {name: str(Path(path)) for name, path in map(lora_module, lora_modules)}  # as adapters keep it
+
+    def snapshot(self) -> tuple[int, dict[str, str]]:
+        return self.version, dict(self.table)
+
+    def change(self, name: str, path: str | None) -> int:
+        """Serve ``name`` from ``path`` (None: no longer serve it); returns the new version."""
+        if path is None:
+            self.table.pop(name, None)
+        else:
+            self.table[name] = str(Path(path))
+        self.version += 1
+        return self.version
+
+
 class EngineReplica:
     """One engine: loads the model as it starts (Serve counts it ready once the constructor returns)."""
 
@@ -119,9 +157,13 @@ class EngineReplica:
         await self._lifespan.__aenter__()
         self.name = serve.get_replica_context().replica_id.unique_id
         self._pusher = asyncio.create_task(self._push_metrics())
+        self.adapters_version = 0
+        self._adapters_sync = asyncio.Lock()
 
     async def http(self, request: ForwardedRequest) -> AsyncIterator[dict]:
         """Run ``request`` through the app; yield its ASGI messages (the response's start, then its body)."""
+        if request.adapters_version > self.adapters_version:
+            await self._sync_adapters(request.adapters_version)
         messages: asyncio.Queue[dict] = asyncio.Queue()
         gone = asyncio.Event()
         body_sent = False
@@ -168,6 +210,35 @@ class EngineReplica:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
 
+    async def _sync_adapters(self, version: int) -> None:
+        """Load and unload adapters until this replica serves what :class:`AdapterRegistry` lists. An adapter
+        that cannot load here is logged (requests naming it get the usual 400); one still in use here is unloaded
+        at a later sync, once its requests have ended."""
+        import ray
+
+        from fiberserve.engine.adapters import AdapterInUse
+        from fiberserve.engine.sampling_params import InvalidParameter
+
+        async with self._adapters_sync:
+            if version <= self.adapters_version:
+                return  # another request's sync got there first
+            latest, table = await ray.get_actor(ADAPTER_REGISTRY, namespace="serve").snapshot.remote()
+            loaded, complete = self.service.adapters.loaded, True
+            for name, adapter in list(loaded.items()):
+                if table.get(name) != adapter.path:
+                    try:
+                        self.service.unload_adapter(name)
+                    except AdapterInUse:
+                        complete = False
+            for name, path in table.items():
+                if name not in loaded:
+                    try:
+                        await self.service.load_adapter(name, path)
+                    except InvalidParameter as exc:
+                        log.error("replica %s could not load LoRA adapter %r: %s", self.name, name, exc)
+            if complete:
+                self.adapters_version = latest
+
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine broke an invariant is replaced."""
         if self.service.broken is not None:
@@ -195,6 +266,8 @@ class Frontend:
     def __init__(self, replicas: Any, config: ServerConfig) -> None:
         self.replicas = replicas.options(stream=True)
         self.config = config
+        self.adapters_version: int | None = None  # read from the registry at the first request
+        self._adapters_change = asyncio.Lock()
 
     def __serve_build_asgi_app__(self) -> Any:
         from starlette.applications import Starlette
@@ -210,11 +283,28 @@ class Frontend:
         )
 
     async def forward(self, request: Any) -> Any:
+        import ray
+
+        registry = ray.get_actor(ADAPTER_REGISTRY, namespace="serve")
+        if self.adapters_version is None:
+            self.adapters_version, _ = await registry.snapshot.remote()
+        body = await request.body()
+        loads = ADAPTER_ROUTES.get(request.url.path)
+        if loads is None or request.method != "POST":
+            return await self._forward(request, body)
+        async with self._adapters_change:  # one change at a time, each applied on one replica before it is recorded
+            response = await self._forward(request, body)
+            if response.status_code == 200:
+                payload = json.loads(body)
+                path = payload["lora_path"] if loads else None
+                self.adapters_version = await registry.change.remote(payload["lora_name"], path)
+            return response
+
+    async def _forward(self, request: Any, body: bytes) -> Any:
         from starlette.responses import JSONResponse, StreamingResponse
 
         from fiberserve.server.errors import error_body
 
-        body = await request.body()
         forwarded = ForwardedRequest(
             request.method,
             request.url.path,
@@ -222,6 +312,7 @@ class Frontend:
             list(request.headers.raw),
             body,
             prompt_text(body),
+            self.adapters_version or 0,
         )
         cause: BaseException | None = None
         for _ in range(FORWARD_TRIES):  # only while the replica has sent no byte of the answer: then a retry is safe
@@ -391,6 +482,8 @@ def run_cluster(config: ServerConfig) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         board = ray.remote(num_cpus=0)(MetricsBoard).options(name=METRICS_BOARD, namespace="serve").remote()
+        registry_actor = ray.remote(num_cpus=0)(AdapterRegistry).options(name=ADAPTER_REGISTRY, namespace="serve")
+        registry = registry_actor.remote(config.engine.lora_modules)
         serve.start(http_options={"host": config.host, "port": config.port})
         serve.run(build_application(config), name=APP_NAME, route_prefix="/", blocking=False)
         log.info("ready: %d replicas on http://%s:%d", config.replicas, config.host, config.port)
@@ -402,6 +495,7 @@ def run_cluster(config: ServerConfig) -> int:
         deleting.start()
         deleting.join(config.shutdown_timeout + 10)
         ray.kill(board)  # type: ignore[arg-type]
+        ray.kill(registry)  # type: ignore[arg-type]
         return 0
     except Exception as exc:  # a deployment that never became healthy, a Ray that did not start
         log.error("the Ray Serve application failed: %s", exc)

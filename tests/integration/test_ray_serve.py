@@ -141,6 +141,51 @@ def test_metrics_hold_every_replicas_series_labelled(cluster):
     assert sum(v for (name, _, _), v in samples.items() if name == "fiberserve_generation_tokens_total") > 0
 
 
+def test_an_adapter_loaded_through_the_endpoint_serves_on_every_replica_until_unloaded(cluster, model_path, tmp_path):
+    from fiberserve.model import load_checkpoint
+    from tests.lora_adapters import write_random_adapter
+
+    path = write_random_adapter(tmp_path / "tuned", load_checkpoint(model_path).config, rank=8, alpha=16, seed=1)
+
+    def chat(client: httpx.Client, model: str, k: int) -> httpx.Response:
+        body = {"model": model, "messages": [{"role": "user", "content": f"Topic {k}: name a colour."}]}
+        return client.post("/v1/chat/completions", json={**body, "max_tokens": 8, "temperature": 0})
+
+    with cluster.client() as client:
+        base = client.get("/v1/models").json()["data"][0]["id"]
+        loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "tuned", "lora_path": str(path)})
+        assert loaded.status_code == 200, loaded.text
+        answered: dict[str, str] = {}  # replica -> the adapter's answer to prompt 0 there
+        for _ in range(40):  # one at a time, short prompts: the replicas take them in turn
+            tuned = chat(client, "tuned", 0)
+            assert tuned.status_code == 200 and tuned.json()["model"] == "tuned", tuned.text
+            answered[tuned.headers["x-fiberserve-replica"]] = tuned.json()["choices"][0]["message"]["content"]
+            if len(answered) == 2:
+                break
+        assert len(answered) == 2, answered
+        plain = chat(client, base, 0).json()["choices"][0]["message"]["content"]
+        assert len(set(answered.values())) == 1 and plain not in answered.values(), (answered, plain)
+        listed = set()
+        for _ in range(40):
+            models = client.get("/v1/models")
+            assert "tuned" in [m["id"] for m in models.json()["data"]]
+            listed.add(models.headers["x-fiberserve-replica"])
+            if len(listed) == 2:
+                break
+        assert listed == set(answered)
+
+        unloaded = client.post("/v1/unload_lora_adapter", json={"lora_name": "tuned"})
+        assert unloaded.status_code == 200, unloaded.text
+        refused = set()
+        for k in range(40):
+            answer = chat(client, "tuned", k)
+            assert answer.status_code == 404 and answer.json()["error"]["param"] == "model", answer.text
+            refused.add(answer.headers["x-fiberserve-replica"])
+            if len(refused) == 2:
+                break
+        assert refused == set(answered)
+
+
 def _replica_pids() -> list[int]:
     out = subprocess.run(["pgrep", "-f", "ServeReplica:fiberserve:EngineReplica"], capture_output=True, text=True)
     return [int(pid) for pid in out.stdout.split()]
