@@ -102,13 +102,29 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def lora_add(
-    out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, layout: list[int]
+    out: torch.Tensor,
+    x: torch.Tensor,
+    rows: list[torch.Tensor],
+    a: list[torch.Tensor],
+    bt: list[torch.Tensor],
+    layout: list[int],
 ) -> None:
-    """``out[rows] += `` an adapter's low-rank product of ``x[rows]``, in place: coordinates ``x a^T`` (``a`` [R, K],
-    rounded to its dtype), then per part ``(start, end, first, last, offset)`` of ``layout`` the coordinates
-    ``first:last`` times the part's B transposed ([last - first, end - start] at element ``offset`` of ``bt``)
-    added to columns ``start:end``.  A row's bits depend on the row alone (see the C++ source)."""
+    """``out[rows[g]] += `` adapter g's low-rank product of ``x[rows[g]]`` for every group g, in place, in one
+    parallel pass: coordinates ``x a[g]^T`` (``a[g]`` [R, K], rounded to its dtype), then per part ``(start, end,
+    first, last, offset)`` the coordinates ``first:last`` times the part's B transposed ([last - first, end - start]
+    at element ``offset`` of ``bt[g]``) added to columns ``start:end``.  ``layout``: per group its count of parts,
+    then its parts.  A row's bits depend on the row alone (see the C++ source)."""
     torch.ops.fiberserve.lora_add(out, x, rows, a, bt, layout)
+
+
+def lora_gate_up(
+    both: torch.Tensor, added: torch.Tensor, adapted: torch.Tensor, chunk: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``silu(gate) * up`` [N, F] in ``dtype`` from a gated gate/up weight's float32 product ``both`` [N, 2F] (gate
+    and up interleaved in ``chunk``s, see :func:`interleave_gate_up`): rows where ``adapted`` (bool [N]) is false
+    exactly as the gated product gives them; adapted rows with ``added`` [N, 2F] (float32, gate columns then up
+    columns) added to their gate and up first, activated in float32 as :func:`silu_mul` does, then rounded."""
+    return torch.ops.fiberserve.lora_gate_up(both, added, adapted, chunk, dtype)
 
 
 #: Gate (then up) features per chunk of a gated product's weight rows: half a column group of each kernel.

@@ -115,7 +115,7 @@ class LowRank:
         x = x.to(self.dtype)
         if out.device.type == "cpu" and self.kernel_fits:
             kernels.load()
-            kernels.lora_add(out, x, rows, self.a, self.bt, self.layout)
+            kernels.lora_add(out, x, [rows], [self.a], [self.bt], [len(self.layout) // 5, *self.layout])
             return
         coordinates = (x[rows].float() @ self.a.float().T).to(self.dtype).float()
         added = out[rows].float()
@@ -317,12 +317,16 @@ class LoraRows:
 
     def gate_up(self, layer: int, gate_up, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (a :class:`.GateUp`'s activated output for ``x``) with each group's rows recomputed from the gate
-        and up products plus its adapter's additions, added before the activation."""
+        and up products plus its adapter's additions, added before the activation (as
+        :func:`.kernels.lora_gate_up` does in the C++ layer loop, bit for bit)."""
         for adapter, rows in self.groups:
             low = adapter.layers[layer].get("gate_up")
             if low is not None:
                 xs = x[rows]
                 pre = gate_up.pre_activation(xs)
-                low.add_to(pre, xs, torch.arange(len(rows)))
-                y[rows] = gate_up.activate(pre).to(y.dtype)
+                added = torch.zeros_like(pre)
+                low.add_to(added, xs, torch.arange(len(rows)))
+                pre = pre + added
+                activated = kernels.silu_mul(pre) if gate_up.silu_kernel else gate_up.activate(pre)
+                y[rows] = activated.to(y.dtype)
         return y

@@ -41,7 +41,7 @@ def test_lora_add_adds_the_low_rank_product_to_its_rows_only_each_row_alone_in_i
     out = torch.randn(5, 64).to(dtype)
     before = out.clone()
     rows = torch.tensor([3, 1])
-    kernels.lora_add(out, x, rows, a, bt, layout)
+    kernels.lora_add(out, x, [rows], [a], [bt], [2, *layout])
     coordinates = (x.float() @ a.float().t()).to(dtype).float()
     expected = before.float().clone()  # (a float32 tensor's .float() is itself)
     expected[:, :32] += coordinates[:, :3] @ b1.float().t()
@@ -50,10 +50,57 @@ def test_lora_add_adds_the_low_rank_product_to_its_rows_only_each_row_alone_in_i
     torch.testing.assert_close(out[rows].float(), expected[rows], atol=tolerance, rtol=tolerance)
     assert torch.equal(out[[0, 2, 4]], before[[0, 2, 4]]) and torch.equal(out[rows, 32:48], before[rows, 32:48])
     alone = before.clone()
-    kernels.lora_add(alone, x, torch.tensor([1]), a, bt, layout)
+    kernels.lora_add(alone, x, [torch.tensor([1])], [a], [bt], [2, *layout])
     assert torch.equal(alone[1], out[1])
     with pytest.raises(RuntimeError, match="part 1 does not fit"):
-        kernels.lora_add(out, x, rows, a, bt[:-1], layout)
+        kernels.lora_add(out, x, [rows], [a], [bt[:-1]], [2, *layout])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_add_of_several_groups_in_one_pass_gives_each_row_its_bits_alone(dtype):
+    """Three adapters' groups (1, 4 and 7 rows, in tiles of any size) in one call: every row gets the bits it gets
+    added alone; rows of no group keep theirs."""
+    from fiberserve import kernels
+
+    kernels.load()
+    torch.manual_seed(5)
+    width, columns, rank = 64, 96, 16
+    x = torch.randn(16, width).to(dtype)
+    before = torch.randn(16, columns)
+    groups = [torch.tensor([9]), torch.tensor([0, 5, 2, 7]), torch.tensor([15, 1, 3, 4, 12, 11, 6])]
+    weights = [(torch.randn(rank, width).to(dtype), torch.randn(rank * columns).to(dtype)) for _ in groups]
+    layout = [1, 0, columns, 0, rank, 0]
+    together = before.clone()
+    kernels.lora_add(together, x, groups, [a for a, _ in weights], [bt for _, bt in weights], layout * 3)
+    for rows, (a, bt) in zip(groups, weights, strict=True):
+        for row in rows.tolist():
+            alone = before.clone()
+            kernels.lora_add(alone, x, [torch.tensor([row])], [a], [bt], layout)
+            assert torch.equal(alone[row], together[row]), row
+    untouched = [8, 10, 13, 14]
+    assert torch.equal(together[untouched], before[untouched])
+    with pytest.raises(RuntimeError, match="layout is shorter"):
+        kernels.lora_add(together, x, groups, [a for a, _ in weights], [bt for _, bt in weights], layout * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_gate_up_activates_base_rows_as_the_gated_product_and_adapted_rows_with_their_additions(dtype):
+    from fiberserve import kernels
+
+    kernels.load()
+    torch.manual_seed(6)
+    rows, features, chunk = 5, 64, 16
+    both = torch.randn(rows, 2 * features) * 3
+    added = torch.randn(rows, 2 * features)
+    adapted = torch.tensor([False, True, False, True, True])
+    out = kernels.lora_gate_up(both, added, adapted, chunk, dtype)
+    gate_then_up = both.view(rows, features // chunk, 2, chunk).transpose(1, 2).reshape(rows, 2 * features)
+    base = kernels.silu_mul(gate_then_up.to(dtype))  # the gated product's bits: gate and up rounded first
+    with_added = kernels.silu_mul(gate_then_up + added).to(dtype)
+    assert out.dtype == dtype
+    assert torch.equal(out[~adapted], base[~adapted]) and torch.equal(out[adapted], with_added[adapted])
+    with pytest.raises(RuntimeError, match="chunk"):
+        kernels.lora_gate_up(both, added, adapted, 24, dtype)
 
 
 @pytest.mark.parametrize("rank", [8, 64])

@@ -61,7 +61,7 @@ class LoraAdditions {
     int64_t start = 0;
     size_t ints = 0, weights = 0;
     for (const int64_t count : groups) {
-      Group group{rows->narrow(0, start, count), {}};
+      Group group{rows->narrow(0, start, count).contiguous(), {}};
       start += count;
       for (size_t slot = 0; slot < linears; ++slot) {
         TORCH_CHECK(ints < layout.size(), "decoder_layers: the LoRA layout is shorter than its groups need");
@@ -78,34 +78,27 @@ class LoraAdditions {
 
   // y (the output of linear layer `slot` for the input x) with each group's rows plus its adapter's addition.
   void add(at::Tensor& y, const at::Tensor& x, size_t slot) const {
-    for (const Group& group : groups_) add_group(y, x, group, slot);
+    const std::vector<LoraGroup> adding = groups_adding(slot);
+    if (!adding.empty()) lora_add_groups(y, x, adding);
   }
 
   // silu(gate) * up of gate/up linear layer `slot` (its rows interleaved in `chunk`s: see GateUp in linear.py) for
-  // x, in dtype: the gated product where no group adds to it; else one float32 product for every row, the base
-  // rows' activation by silu_mul of it rounded to dtype (the gated product's bits), the groups' rows' from it
-  // plus their adapters' additions.
+  // x, in dtype: the gated product where no group adds to it; else one float32 product for every row, activated
+  // by lora_gate_up: the base rows as the gated product would, the groups' rows plus their adapters' additions.
   at::Tensor gate_up(const at::Tensor& x, size_t slot, const Linears& linear, int64_t chunk, at::ScalarType dtype,
                      const PrefetchPlan* prefetch) const {
-    const bool adds = std::any_of(groups_.begin(), groups_.end(),
-                                  [&](const Group& group) { return layout_[group.entries[slot].ints] != 0; });
-    if (!adds) return linear(x, slot, dtype, /*gated=*/true, prefetch);
+    const std::vector<LoraGroup> adding = groups_adding(slot);
+    if (adding.empty()) return linear(x, slot, dtype, /*gated=*/true, prefetch);
     const at::Tensor both = linear(x, slot, at::kFloat, /*gated=*/false, prefetch);
-    const int64_t rows = both.size(0), features = both.size(1) / 2;
-    at::Tensor gate_then_up =
-        both.view({rows, features / chunk, 2, chunk}).transpose(1, 2).reshape({rows, 2 * features});
-    at::Tensor y = silu_mul(gate_then_up.to(dtype));
-    std::vector<at::Tensor> adapted;  // the rows of the groups that add to it (the others keep the base bits)
-    for (const Group& group : groups_)
-      if (layout_[group.entries[slot].ints] != 0) {
-        add_group(gate_then_up, x, group, slot);
-        adapted.push_back(group.rows);
-      }
-    const at::Tensor rows_added = adapted.size() == 1 ? adapted[0] : at::cat(adapted);
-    const at::Tensor pre = gate_then_up.index_select(0, rows_added);
-    const at::Tensor out = at::silu(pre.narrow(1, 0, features)) * pre.narrow(1, features, features);
-    y.index_copy_(0, rows_added, out.to(dtype));
-    return y;
+    at::Tensor added = at::zeros_like(both);
+    lora_add_groups(added, x, adding);
+    at::Tensor adapted = at::zeros({both.size(0)}, both.options().dtype(at::kBool));
+    bool* is_adapted = adapted.data_ptr<bool>();
+    for (const LoraGroup& group : adding) {
+      const int64_t* rows = group.rows.data_ptr<int64_t>();
+      for (int64_t i = 0; i < group.rows.size(0); ++i) is_adapted[rows[i]] = true;
+    }
+    return lora_gate_up(both, added, adapted, chunk, dtype);
   }
 
  private:
@@ -117,12 +110,17 @@ class LoraAdditions {
     std::vector<Entry> entries;  // one per linear layer
   };
 
-  void add_group(at::Tensor& y, const at::Tensor& x, const Group& group, size_t slot) const {
-    const Entry& entry = group.entries[slot];
-    const int64_t parts = layout_[entry.ints];
-    if (parts == 0) return;
-    lora_add(y, x, group.rows, tensors_[entry.weights], tensors_[entry.weights + 1],
-             layout_.slice(entry.ints + 1, 5 * static_cast<size_t>(parts)));
+  // The groups that add to linear layer `slot`, as lora_add_groups takes them.
+  std::vector<LoraGroup> groups_adding(size_t slot) const {
+    std::vector<LoraGroup> adding;
+    for (const Group& group : groups_) {
+      const Entry& entry = group.entries[slot];
+      const size_t parts = static_cast<size_t>(layout_[entry.ints]);
+      if (parts != 0)
+        adding.push_back({group.rows, tensors_[entry.weights], tensors_[entry.weights + 1],
+                          layout_.slice(entry.ints + 1, 5 * parts)});
+    }
+    return adding;
   }
 
   const std::vector<at::Tensor>& tensors_;

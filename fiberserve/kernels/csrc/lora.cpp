@@ -1,117 +1,312 @@
-// LoRA additions (model/lora.py): an adapter's low-rank product added to its rows of a product's output, in place,
-// in one pass per row with no intermediate tensors (punica's BGMV for one adapter's rows on a CPU).
+// LoRA additions (model/lora.py): adapters' low-rank products added to their rows of a product's output, in place,
+// with no intermediate tensors (punica's BGMV on a CPU), every adapter's rows of one product in one parallel pass.
 //
-// Contract (see lora_add in ops.h):
+// Contract (see lora_add in ops.h), per group of rows that run under one adapter (a LoraGroup):
 //   out    [N, W]   float32 / bfloat16 / float16, rows contiguous: the product's output, updated in place
 //   x      [N, K]   the product's input, in a's dtype (float32 or bfloat16), K a multiple of 16
-//   rows   int64 [M]  the rows to add to (an adapter's group); other rows are not touched
+//   rows   int64 [M]  the group's rows; rows of no group are not touched
 //   a      [R, K]   the parts' A matrices stacked: coordinates c = x a^T, rounded to a's dtype
 //   bt     contiguous, each part's B transposed and scaled, [last - first, end - start] from element `offset`:
 //                   part p adds c[first:last] times it to out[:, start:end]
-//   layout int64    per part (start, end, first, last, offset); end - start a multiple of 16
+//   parts  int64    per part (start, end, first, last, offset); end - start a multiple of 16
 //
 // A row's result depends on the row alone: each coordinate is a dot product with 16 fixed partial sums reduced in
 // lane_sum's order, and each output's addition sums the coordinates' terms in rank order, so a row computes the
-// same bits alone or in any group and batch.
+// same bits alone or in any group, tile and batch.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
 #include "simd/vec16.h"
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace fiberserve {
 namespace {
 
-constexpr int kChains = 4;  // independent sums in flight: coordinates, or blocks of 16 output columns
+constexpr int kChains = 4;  // coordinates, or blocks of 16 output columns, summed at once for each row of a tile
+// Rows that share each load of A and B^T (AVX2's 16 registers hold one row's sums only).
+#if defined(__AVX512F__)
+constexpr int kMaxTile = 4;
+#else
+constexpr int kMaxTile = 1;
+#endif
+
+// The adapter's weights and the rows' coordinates, as add_tile reads them.
+template <typename in_t>
+struct LowRank {
+  const in_t* a;
+  int64_t rank, width;
+  const in_t* bt;
+  int64_t bt_size;
+  const int64_t* layout;
+  int64_t parts;
+};
+
+// Each chain's sum, rounded to in_t, as coordinate r + c of row t.
+template <int T, int C, typename in_t>
+void round_coordinates(const f32x16 (&sums)[T][C], int64_t rank, int64_t r, float* coordinates) {
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < C; ++c)
+      coordinates[t * rank + r + c] = static_cast<float>(static_cast<in_t>(lane_sum(sums[t][c])));
+}
+
+// Coordinates r .. r + C of T rows: C dot products of width K each, one chain of 16 partial sums per coordinate
+// and row, rounded to in_t (a row's bits do not depend on C or T: each chain is its own).  bfloat16 on CPUs with
+// AVX512-BF16, K a multiple of 32: vdpbf16ps on pairs straight from the bf16 input and A (lane l of a chain sums the
+// products of elements 2l and 2l + 1 of every 32), no widening.
+template <int T, int C, typename in_t>
+void coordinates_of(const in_t* const (&input)[T], const LowRank<in_t>& w, int64_t r, float* coordinates) {
+  f32x16 sums[T][C];
+  const in_t* a = w.a + r * w.width;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<in_t, c10::BFloat16>) {
+    if (w.width % (2 * kLanes) == 0) {
+      __m512 pairs[T][C];
+      for (int t = 0; t < T; ++t)
+        for (int c = 0; c < C; ++c) pairs[t][c] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < w.width; k += 2 * kLanes) {
+        __m512bh in[T];
+        for (int t = 0; t < T; ++t) in[t] = (__m512bh)_mm512_loadu_si512(input[t] + k);
+        for (int c = 0; c < C; ++c) {
+          const __m512bh weight = (__m512bh)_mm512_loadu_si512(a + c * w.width + k);
+          for (int t = 0; t < T; ++t) pairs[t][c] = _mm512_dpbf16_ps(pairs[t][c], in[t], weight);
+        }
+      }
+      for (int t = 0; t < T; ++t)
+        for (int c = 0; c < C; ++c) sums[t][c] = (f32x16)pairs[t][c];
+      return round_coordinates<T, C, in_t>(sums, w.rank, r, coordinates);
+    }
+  }
+#endif
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < C; ++c) sums[t][c] = load16(input[t]) * load16(a + c * w.width);
+  for (int64_t k = kLanes; k < w.width; k += kLanes) {
+    f32x16 in[T];
+    for (int t = 0; t < T; ++t) in[t] = load16(input[t] + k);
+    for (int c = 0; c < C; ++c) {
+      const f32x16 weight = load16(a + c * w.width + k);
+      for (int t = 0; t < T; ++t) sums[t][c] += in[t] * weight;
+    }
+  }
+  round_coordinates<T, C, in_t>(sums, w.rank, r, coordinates);
+}
+
+// Adds C blocks of 16 columns from `column` of one part (B^T rows first .. last, `columns` wide) to T rows.
+template <int T, int C, typename in_t, typename out_t>
+void add_blocks(out_t* const (&target)[T], const float* coordinates, int64_t rank, const in_t* b, int64_t first,
+                int64_t last, int64_t columns, int64_t column) {
+  f32x16 added[T][C] = {};
+  for (int64_t r = first; r < last; ++r) {
+    const in_t* b_row = b + (r - first) * columns + column;
+    f32x16 weight[C];
+    for (int c = 0; c < C; ++c) weight[c] = load16(b_row + c * kLanes);
+    for (int t = 0; t < T; ++t) {
+      const float coordinate = coordinates[t * rank + r];
+      for (int c = 0; c < C; ++c) added[t][c] += coordinate * weight[c];
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < C; ++c) {
+      out_t* o = target[t] + column + c * kLanes;
+      store16(o, load16(o) + added[t][c]);
+    }
+}
+
+// The addition to T rows at once: every load of A and B^T serves the T rows.
+template <int T, typename in_t, typename out_t>
+void add_tile(out_t* out, int64_t out_stride, const in_t* x, int64_t x_stride, const int64_t* rows,
+              const LowRank<in_t>& w, float* coordinates) {
+  const in_t* input[T];
+  for (int t = 0; t < T; ++t) input[t] = x + rows[t] * x_stride;
+  int64_t r = 0;
+  for (; r + kChains <= w.rank; r += kChains) coordinates_of<T, kChains>(input, w, r, coordinates);
+  for (; r < w.rank; ++r) coordinates_of<T, 1>(input, w, r, coordinates);
+  for (int64_t p = 0; p < w.parts; ++p) {
+    const int64_t *part = w.layout + 5 * p, columns = part[1] - part[0];
+    out_t* target[T];
+    for (int t = 0; t < T; ++t) target[t] = out + rows[t] * out_stride + part[0];
+    const in_t* b = w.bt + part[4];
+    int64_t j = 0;
+    for (; j + kChains * kLanes <= columns; j += kChains * kLanes)
+      add_blocks<T, kChains>(target, coordinates, w.rank, b, part[2], part[3], columns, j);
+    for (; j < columns; j += kLanes) add_blocks<T, 1>(target, coordinates, w.rank, b, part[2], part[3], columns, j);
+  }
+}
+
+// One tile of rows of one group: what a thread of the parallel pass takes at a time.
+struct Tile {
+  size_t group;
+  int64_t first, count;  // rows first .. first + count of the group's
+};
 
 template <typename in_t, typename out_t>
-void add_rows(out_t* out, int64_t out_stride, const in_t* x, int64_t x_stride, const int64_t* rows, int64_t count,
-              const in_t* a, int64_t rank, int64_t width, const in_t* bt, int64_t bt_size, const int64_t* layout,
-              int64_t parts) {
-  // Rows per task: about 64k multiply-adds, so a decode's few rows stay on the calling thread.
-  const int64_t work = rank * width + bt_size;
-  at::parallel_for(0, count, std::max<int64_t>(1, 65536 / std::max<int64_t>(work, 1)), [&](int64_t begin, int64_t end) {
-    std::vector<float> coordinates(rank);
-    for (int64_t i = begin; i < end; ++i) {
-      const in_t* input = x + rows[i] * x_stride;
-      for (int64_t r = 0; r < rank; r += kChains) {  // kChains coordinates at a time, each its own chain
-        const int64_t chains = std::min<int64_t>(kChains, rank - r);
-        f32x16 sums[kChains];
-        for (int64_t c = 0; c < chains; ++c) sums[c] = load16(input) * load16(a + (r + c) * width);
-        for (int64_t k = kLanes; k < width; k += kLanes) {
-          const f32x16 in = load16(input + k);
-          for (int64_t c = 0; c < chains; ++c) sums[c] += in * load16(a + (r + c) * width + k);
+void add_groups(at::Tensor& out, const at::Tensor& x, const std::vector<LoraGroup>& groups) {
+  std::vector<LowRank<in_t>> weights;
+  int64_t rows = 0, max_rank = 0, max_work = 1;
+  for (const LoraGroup& g : groups) {
+    weights.push_back({g.a.data_ptr<in_t>(), g.a.size(0), g.a.size(1), g.bt.data_ptr<in_t>(), g.bt.numel(),
+                       g.parts.data(), static_cast<int64_t>(g.parts.size() / 5)});
+    rows += g.rows.size(0);
+    max_rank = std::max(max_rank, g.a.size(0));
+    max_work = std::max(max_work, g.a.size(0) * g.a.size(1) + g.bt.numel());
+  }
+  // Tiles of up to kMaxTile rows, small enough that every thread gets one; a pass of under about 64k
+  // multiply-adds a thread (a decode's few rows of a small model) stays on the calling thread.
+  const int64_t threads = at::get_num_threads();
+  const int64_t tile = std::clamp<int64_t>((rows + threads - 1) / threads, 1, kMaxTile);
+  std::vector<Tile> tiles;
+  for (size_t g = 0; g < groups.size(); ++g)
+    for (int64_t first = 0; first < groups[g].rows.size(0); first += tile)
+      tiles.push_back({g, first, std::min(tile, groups[g].rows.size(0) - first)});
+  out_t* out_data = out.data_ptr<out_t>();
+  const in_t* x_data = x.data_ptr<in_t>();
+  const int64_t out_stride = out.stride(0), x_stride = x.stride(0);
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), std::max<int64_t>(1, 65536 / (tile * max_work)),
+                   [&](int64_t begin, int64_t end) {
+                     std::vector<float> coordinates(kMaxTile * max_rank);
+                     for (int64_t i = begin; i < end; ++i) {
+                       const Tile& t = tiles[i];
+                       const int64_t* rows_of = groups[t.group].rows.data_ptr<int64_t>() + t.first;
+                       const LowRank<in_t>& w = weights[t.group];
+                       float* c = coordinates.data();
+                       switch (t.count) {
+                         case 4: add_tile<std::min(4, kMaxTile)>(out_data, out_stride, x_data, x_stride, rows_of, w, c); break;
+                         case 3: add_tile<std::min(3, kMaxTile)>(out_data, out_stride, x_data, x_stride, rows_of, w, c); break;
+                         case 2: add_tile<std::min(2, kMaxTile)>(out_data, out_stride, x_data, x_stride, rows_of, w, c); break;
+                         default: add_tile<1>(out_data, out_stride, x_data, x_stride, rows_of, w, c);
+                       }
+                     }
+                   });
+}
+
+// The value store16 writes to out_t, read back: what a product rounded to out_t hands the next kernel.
+template <typename out_t>
+inline f32x16 rounded_to(f32x16 v) {
+  if constexpr (std::is_same_v<out_t, float>) {
+    return v;
+  } else {
+    out_t stored[kLanes];
+    store16(stored, v);
+    return load16(stored);
+  }
+}
+
+template <typename out_t>
+void activate_rows(const float* both, const float* added, const uint8_t* adapted, out_t* out, int64_t rows,
+                   int64_t features, int64_t chunk) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / features), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float* product = both + row * 2 * features;
+      const float* gate_added = added + row * 2 * features;
+      for (int64_t f = 0; f < features; f += kLanes) {  // feature f: gate at column 2 * chunk * (f / chunk) + f % chunk
+        const float* gate = product + 2 * (f - f % chunk) + f % chunk;
+        f32x16 g = load16(gate), u = load16(gate + chunk);
+        if (adapted[row]) {
+          g += load16(gate_added + f);
+          u += load16(gate_added + features + f);
+        } else {
+          g = rounded_to<out_t>(g);
+          u = rounded_to<out_t>(u);
         }
-        for (int64_t c = 0; c < chains; ++c)  // rounded to a's dtype
-          coordinates[r + c] = static_cast<float>(static_cast<in_t>(lane_sum(sums[c])));
-      }
-      out_t* target = out + rows[i] * out_stride;
-      for (int64_t p = 0; p < parts; ++p) {
-        const int64_t *part = layout + 5 * p, start = part[0], columns = part[1] - part[0];
-        const in_t* b = bt + part[4];
-        for (int64_t j = 0; j < columns; j += kChains * kLanes) {  // kChains blocks of 16 columns at a time
-          const int64_t blocks = std::min<int64_t>(kChains, (columns - j) / kLanes);
-          f32x16 added[kChains] = {};
-          for (int64_t r = part[2]; r < part[3]; ++r) {
-            const in_t* b_row = b + (r - part[2]) * columns + j;
-            for (int64_t c = 0; c < blocks; ++c) added[c] += coordinates[r] * load16(b_row + c * kLanes);
-          }
-          for (int64_t c = 0; c < blocks; ++c) {
-            out_t* o = target + start + j + c * kLanes;
-            store16(o, load16(o) + added[c]);
-          }
-        }
+        store16(out + row * features + f, silu_times(g, u));
       }
     }
   });
 }
 
+template <typename F>
+void with_output_type(at::ScalarType type, const char* op, F&& run) {
+  switch (type) {
+    case at::kFloat: return run(float{});
+    case at::kBFloat16: return run(c10::BFloat16{});
+    case at::kHalf: return run(c10::Half{});
+    default: TORCH_CHECK(false, op, ": out must be float32, bfloat16 or float16, not ", type);
+  }
+}
+
 }  // namespace
 
-void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& a, const at::Tensor& bt,
-              c10::IntArrayRef layout) {
+void lora_add_groups(at::Tensor& out, const at::Tensor& x, const std::vector<LoraGroup>& groups) {
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && x.dim() == 2 && x.stride(1) == 1 && x.size(0) == out.size(0),
               "lora_add: out and x must be [rows, features] with packed rows");
-  TORCH_CHECK(a.is_contiguous() && bt.is_contiguous() && a.scalar_type() == x.scalar_type() &&
-                  bt.scalar_type() == x.scalar_type() && a.dim() == 2 && a.size(1) == x.size(1),
-              "lora_add: a [rank, K] and bt must be contiguous, in x's dtype");
   TORCH_CHECK(x.size(1) % kLanes == 0, "lora_add: the input width must be a multiple of 16");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "lora_add: rows must be int64 [M]");
-  TORCH_CHECK(layout.size() % 5 == 0, "lora_add: the layout is (start, end, first, last, col) per part");
-  const at::Tensor indices = rows.contiguous();
-  const int64_t* row = indices.data_ptr<int64_t>();
-  for (int64_t i = 0; i < indices.size(0); ++i)
-    TORCH_CHECK(row[i] >= 0 && row[i] < out.size(0), "lora_add: row ", row[i], " is out of range");
-  for (size_t p = 0; p < layout.size(); p += 5)
-    TORCH_CHECK(layout[p] >= 0 && layout[p + 1] <= out.size(1) && (layout[p + 1] - layout[p]) % kLanes == 0 &&
-                    layout[p + 2] >= 0 && layout[p + 2] <= layout[p + 3] && layout[p + 3] <= a.size(0) &&
-                    layout[p + 4] >= 0 &&
-                    layout[p + 4] + (layout[p + 3] - layout[p + 2]) * (layout[p + 1] - layout[p]) <= bt.numel(),
-                "lora_add: part ", p / 5, " does not fit out, a and bt");
-  auto run = [&](auto input_zero, auto output_zero) {
-    using in_t = decltype(input_zero);
-    using out_t = decltype(output_zero);
-    add_rows<in_t, out_t>(out.data_ptr<out_t>(), out.stride(0), x.data_ptr<in_t>(), x.stride(0), row,
-                          indices.size(0), a.data_ptr<in_t>(), a.size(0), a.size(1), bt.data_ptr<in_t>(), bt.numel(),
-                          layout.data(), static_cast<int64_t>(layout.size() / 5));
-  };
+  for (const LoraGroup& g : groups) {
+    const at::Tensor &a = g.a, &bt = g.bt;
+    TORCH_CHECK(a.is_contiguous() && bt.is_contiguous() && a.scalar_type() == x.scalar_type() &&
+                    bt.scalar_type() == x.scalar_type() && a.dim() == 2 && a.size(1) == x.size(1),
+                "lora_add: a [rank, K] and bt must be contiguous, in x's dtype");
+    TORCH_CHECK(g.rows.scalar_type() == at::kLong && g.rows.dim() == 1 && g.rows.is_contiguous(),
+                "lora_add: rows must be contiguous int64 [M]");
+    TORCH_CHECK(g.parts.size() % 5 == 0, "lora_add: the layout is (start, end, first, last, offset) per part");
+    const int64_t* row = g.rows.data_ptr<int64_t>();
+    for (int64_t i = 0; i < g.rows.size(0); ++i)
+      TORCH_CHECK(row[i] >= 0 && row[i] < out.size(0), "lora_add: row ", row[i], " is out of range");
+    const c10::IntArrayRef parts = g.parts;
+    for (size_t p = 0; p < parts.size(); p += 5)
+      TORCH_CHECK(parts[p] >= 0 && parts[p + 1] <= out.size(1) && (parts[p + 1] - parts[p]) % kLanes == 0 &&
+                      parts[p + 2] >= 0 && parts[p + 2] <= parts[p + 3] && parts[p + 3] <= a.size(0) &&
+                      parts[p + 4] >= 0 &&
+                      parts[p + 4] + (parts[p + 3] - parts[p + 2]) * (parts[p + 1] - parts[p]) <= bt.numel(),
+                  "lora_add: part ", p / 5, " does not fit out, a and bt");
+  }
   auto with_output = [&](auto input_zero) {
-    switch (out.scalar_type()) {
-      case at::kFloat: return run(input_zero, float{});
-      case at::kBFloat16: return run(input_zero, c10::BFloat16{});
-      case at::kHalf: return run(input_zero, c10::Half{});
-      default: TORCH_CHECK(false, "lora_add: out must be float32, bfloat16 or float16, not ", out.scalar_type());
-    }
+    with_output_type(out.scalar_type(), "lora_add", [&](auto output_zero) {
+      add_groups<decltype(input_zero), decltype(output_zero)>(out, x, groups);
+    });
   };
   switch (x.scalar_type()) {
     case at::kFloat: return with_output(float{});
     case at::kBFloat16: return with_output(c10::BFloat16{});
     default: TORCH_CHECK(false, "lora_add: x must be float32 or bfloat16, not ", x.scalar_type());
   }
+}
+
+void lora_add(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor>& rows,
+              const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& bt, c10::IntArrayRef layout) {
+  TORCH_CHECK(rows.size() == a.size() && a.size() == bt.size(), "lora_add: one rows, a and bt per group");
+  std::vector<at::Tensor> indices;  // kept alive while the groups point at them
+  std::vector<LoraGroup> groups;
+  size_t at = 0;
+  for (size_t g = 0; g < rows.size(); ++g) {
+    TORCH_CHECK(at < layout.size() && at + 1 + 5 * static_cast<size_t>(layout[at]) <= layout.size(),
+                "lora_add: the layout is shorter than its groups need");
+    const size_t parts = static_cast<size_t>(layout[at]);
+    indices.push_back(rows[g].contiguous());
+    groups.push_back({indices.back(), a[g], bt[g], layout.slice(at + 1, 5 * parts)});
+    at += 1 + 5 * parts;
+  }
+  TORCH_CHECK(at == layout.size(), "lora_add: the layout is longer than its groups need");
+  lora_add_groups(out, x, groups);
+}
+
+at::Tensor lora_gate_up(const at::Tensor& both, const at::Tensor& added, const at::Tensor& adapted, int64_t chunk,
+                        at::ScalarType dtype) {
+  TORCH_CHECK(both.dim() == 2 && both.is_contiguous() && both.scalar_type() == at::kFloat,
+              "lora_gate_up: both must be contiguous float32 [rows, 2F]");
+  const int64_t rows = both.size(0), features = both.size(1) / 2;
+  TORCH_CHECK(chunk > 0 && chunk % kLanes == 0 && features % chunk == 0 && both.size(1) == 2 * features,
+              "lora_gate_up: the gate/up chunk must be a multiple of 16 dividing the features");
+  TORCH_CHECK(added.sizes() == both.sizes() && added.is_contiguous() && added.scalar_type() == at::kFloat,
+              "lora_gate_up: added must be contiguous float32 like both");
+  TORCH_CHECK(adapted.dim() == 1 && adapted.size(0) == rows && adapted.scalar_type() == at::kBool &&
+                  adapted.is_contiguous(),
+              "lora_gate_up: adapted must be bool [rows]");
+  at::Tensor out = at::empty({rows, features}, both.options().dtype(dtype));
+  with_output_type(dtype, "lora_gate_up", [&](auto zero) {
+    using out_t = decltype(zero);
+    activate_rows<out_t>(both.data_ptr<float>(), added.data_ptr<float>(),
+                         reinterpret_cast<const uint8_t*>(adapted.data_ptr<bool>()), out.data_ptr<out_t>(), rows,
+                         features, chunk);
+  });
+  return out;
 }
 
 }  // namespace fiberserve

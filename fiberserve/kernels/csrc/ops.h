@@ -102,9 +102,24 @@ at::Tensor race_rows(const at::Tensor& logits, const at::Tensor& inv_temperature
 
 std::tuple<at::Tensor, at::Tensor> top_k_rows(const at::Tensor& x, int64_t k);
 
-// out[rows] += an adapter's low-rank product of x[rows], in place (lora.cpp has the contract).
-void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& a, const at::Tensor& bt,
-              c10::IntArrayRef layout);
+// The rows of one adapter and its weights for one product (lora.cpp has the contract).
+struct LoraGroup {
+  at::Tensor rows, a, bt;
+  c10::IntArrayRef parts;  // (start, end, first, last, offset) per part
+};
+
+// out[rows] += each group's adapter's low-rank product of x[rows], in place, every group in one parallel pass.
+void lora_add_groups(at::Tensor& out, const at::Tensor& x, const std::vector<LoraGroup>& groups);
+
+// lora_add_groups from lists: per group its rows, a and bt, and in `layout` its count of parts, then the parts.
+void lora_add(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor>& rows,
+              const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& bt, c10::IntArrayRef layout);
+
+// silu(gate) * up in dtype from a gated gate/up weight's float32 product `both` [N, 2F] (gate and up interleaved in
+// `chunk`s): a row where `adapted` is false as the gated product gives it (gate and up rounded to dtype first);
+// an adapted row with `added` [N, 2F] (gate columns, then up columns) added to its float32 gate and up first.
+at::Tensor lora_gate_up(const at::Tensor& both, const at::Tensor& added, const at::Tensor& adapted, int64_t chunk,
+                        at::ScalarType dtype);
 
 void decoder_layers(at::Tensor& h, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                     const at::Tensor& write_slots, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& pages,
