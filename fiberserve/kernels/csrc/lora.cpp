@@ -39,7 +39,8 @@ constexpr int kMaxTile = 4;
 constexpr int kMaxTile = 1;
 #endif
 
-// The adapter's weights and the rows' coordinates, as add_tile reads them.
+// One adapter's weights for one product, as add_tile reads them: A [rank, width], the parts' B^T (bt_size
+// elements), and `parts` entries of (start, end, first, last, offset) in `layout`.
 template <typename in_t>
 struct LowRank {
   const in_t* a;
