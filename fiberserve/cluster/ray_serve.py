@@ -266,7 +266,8 @@ class Frontend:
     def __init__(self, replicas: Any, config: ServerConfig) -> None:
         self.replicas = replicas.options(stream=True)
         self.config = config
-        self.adapters_version: int | None = None  # read from the registry at the first request
+        self._registry: Any = None  # the AdapterRegistry's handle, and its version, taken at the first request
+        self.adapters_version = 0
         self._adapters_change = asyncio.Lock()
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -285,9 +286,10 @@ class Frontend:
     async def forward(self, request: Any) -> Any:
         import ray
 
-        registry = ray.get_actor(ADAPTER_REGISTRY, namespace="serve")
-        if self.adapters_version is None:
+        if self._registry is None:
+            registry = ray.get_actor(ADAPTER_REGISTRY, namespace="serve")
             self.adapters_version, _ = await registry.snapshot.remote()
+            self._registry = registry
         body = await request.body()
         loads = ADAPTER_ROUTES.get(request.url.path)
         if loads is None or request.method != "POST":
@@ -297,7 +299,7 @@ class Frontend:
             if response.status_code == 200:
                 payload = json.loads(body)
                 path = payload["lora_path"] if loads else None
-                self.adapters_version = await registry.change.remote(payload["lora_name"], path)
+                self.adapters_version = await self._registry.change.remote(payload["lora_name"], path)
             return response
 
     async def _forward(self, request: Any, body: bytes) -> Any:
@@ -312,7 +314,7 @@ class Frontend:
             list(request.headers.raw),
             body,
             prompt_text(body),
-            self.adapters_version or 0,
+            self.adapters_version,
         )
         cause: BaseException | None = None
         for _ in range(FORWARD_TRIES):  # only while the replica has sent no byte of the answer: then a retry is safe
