@@ -131,22 +131,25 @@ def test_llama_cpp_s_gguf_adapter_gives_the_peft_adapter_s_logits(tiny_dirs, tmp
     )
 
 
-def test_mixed_adapters_in_one_batch_keep_every_row_s_bits(tmp_path):
+@pytest.mark.parametrize("quantization", ["int4", "none"])
+def test_mixed_adapters_in_one_batch_keep_every_row_s_bits(tmp_path, quantization):
     """A flight of sequences under two adapters and the base model, prefill chunks beside decode tokens: each
     row's logits are the bits it gets alone (the base alone runs the C++ layer loop with no LoRA), the C++ loop
-    adds the adapters as the Python loop does, bit for bit, and an adapter of scale 0 gives the base model's
-    bits."""
+    adds the adapters as the Python loop does, bit for bit (int4: the gate/up additions through lora_gate_up;
+    bf16: in the gated kernel's epilogue), and an adapter of scale 0 gives the base model's bits."""
     from fiberserve import kernels
     from fiberserve.model.linear import quant_kernel_available
 
     kernels.load()
-    if not quant_kernel_available():
+    if quantization == "int4" and not quant_kernel_available():
         pytest.skip("the int4 products need AVX512-VNNI or AVX2")
+    if quantization == "none" and not kernels.bf16_gemm_available():
+        pytest.skip("the bf16 products need AVX512-BF16 or AVX2")
     base = write_hf(tmp_path / "m", TINY, random_weights(TINY))
     for name, seed, alpha in (("one", 1, 16), ("two", 2, 8), ("zero", 3, 0)):
         write_peft_adapter(base, tmp_path / name, 8, alpha, EVERY_TARGET, seed)
-    dtype = torch.bfloat16 if kernels.bf16_gemm_available() else torch.float32
-    model = LlamaModel(load_checkpoint(base), dtype, quantization="int4")
+    dtype = torch.bfloat16 if quantization == "none" or kernels.bf16_gemm_available() else torch.float32
+    model = LlamaModel(load_checkpoint(base), dtype, quantization=quantization)
     assert model.native_layers is not None
     one, two, zero = (LoraAdapter.load(n, tmp_path / n, model.config, dtype, 8) for n in ("one", "two", "zero"))
     assert zero.layers == [{}, {}]  # a zero addition is none

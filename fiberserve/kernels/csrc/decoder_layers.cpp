@@ -38,6 +38,23 @@ struct Linears {
     return bf16_linear_prefetching(x, weights[index], bias, out_dtype, gated, prefetch);
   }
 
+  // Whether linear layer `slot` is one bf16 product: its gated kernel takes additions (gated_add.h).
+  bool takes_additions(size_t slot) const {
+    return first[slot + 1] == first[slot] + 1 && !scales.get(first[slot]).has_value();
+  }
+
+  // The outputs of linear layer `slot`'s gated product (half its weight's rows) where it takes additions.
+  int64_t gated_features(size_t slot) const {
+    const at::Tensor& packed = weights[first[slot]];  // [blocks, K / 2, block, 2] (linear_bf16.cpp)
+    return packed.size(0) * packed.size(2) / 2;
+  }
+
+  // The gated bf16 product of linear layer `slot` with `add`'s additions before its activation.
+  at::Tensor gated_with(const at::Tensor& x, size_t slot, at::ScalarType out_dtype, const GatedAdd& add,
+                        const PrefetchPlan* prefetch) const {
+    return bf16_linear_prefetching(x, weights[first[slot]], biases.get(first[slot]), out_dtype, true, prefetch, add);
+  }
+
   // Linear layer `slot` (4 per decoder layer): its one product, or its products' outputs side by side.
   at::Tensor operator()(const at::Tensor& x, size_t slot, at::ScalarType out_dtype, bool gated = false,
                         const PrefetchPlan* prefetch = nullptr) const {
@@ -83,21 +100,30 @@ class LoraAdditions {
   }
 
   // silu(gate) * up of gate/up linear layer `slot` (its rows interleaved in `chunk`s: see GateUp in linear.py) for
-  // x, in dtype: the gated product where no group adds to it; else one float32 product for every row, activated
-  // by lora_gate_up: the base rows as the gated product would, the groups' rows plus their adapters' additions.
+  // x, in dtype: the gated product where no group adds to it; else the groups' additions to gate and up go into
+  // a buffer, which a bf16 gated product adds in its epilogue (gated_add.h), and other products' one float32
+  // product for every row, activated by lora_gate_up; either way base rows get the gated product's bits.
   at::Tensor gate_up(const at::Tensor& x, size_t slot, const Linears& linear, int64_t chunk, at::ScalarType dtype,
                      const PrefetchPlan* prefetch) const {
     const std::vector<LoraGroup> adding = groups_adding(slot);
     if (adding.empty()) return linear(x, slot, dtype, /*gated=*/true, prefetch);
+    const int64_t rows = x.size(0);
+    at::Tensor adapted = at::zeros({rows}, x.options().dtype(at::kBool));
+    bool* is_adapted = adapted.data_ptr<bool>();
+    for (const LoraGroup& group : adding) {
+      const int64_t* group_rows = group.rows.data_ptr<int64_t>();
+      for (int64_t i = 0; i < group.rows.size(0); ++i) is_adapted[group_rows[i]] = true;
+    }
+    if (linear.takes_additions(slot)) {  // added in the gated kernel's epilogue
+      const int64_t features = linear.gated_features(slot);
+      at::Tensor added = at::zeros({rows, 2 * features}, x.options().dtype(at::kFloat));  // gate, then up columns
+      lora_add_groups(added, x, adding);
+      const float* gate = added.data_ptr<float>();
+      return linear.gated_with(x, slot, dtype, GatedAdd{gate, gate + features, 2 * features, is_adapted}, prefetch);
+    }
     const at::Tensor both = linear(x, slot, at::kFloat, /*gated=*/false, prefetch);
     at::Tensor added = at::zeros_like(both);
     lora_add_groups(added, x, adding);
-    at::Tensor adapted = at::zeros({both.size(0)}, both.options().dtype(at::kBool));
-    bool* is_adapted = adapted.data_ptr<bool>();
-    for (const LoraGroup& group : adding) {
-      const int64_t* rows = group.rows.data_ptr<int64_t>();
-      for (int64_t i = 0; i < group.rows.size(0); ++i) is_adapted[rows[i]] = true;
-    }
     return lora_gate_up(both, added, adapted, chunk, dtype);
   }
 

@@ -41,11 +41,13 @@ namespace {
 // All rows against NR blocks, a row tile at a time.
 template <int NR, bool kGated, typename out_t>
 void column_group(const Row* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t pairs,
-                  int64_t block_stride, const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch) {
+                  int64_t block_stride, const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch,
+                  const GatedAdd& add = {}) {
   for_each_row_tile<kRows, kBalancedTiles>(
       0, rows,
       [&](auto height, int64_t r) {
-        tile<decltype(height)::value, NR, kGated, out_t>(x + r * ldx, ldx, w, pairs, block_stride, bias, out + r * ldo, ldo);
+        tile<decltype(height)::value, NR, kGated, out_t>(x + r * ldx, ldx, w, pairs, block_stride, bias, out + r * ldo, ldo,
+                                                         add.at(r, 0));
       },
       [&] { prefetch.step(); });
 }
@@ -54,14 +56,14 @@ void column_group(const Row* x, int64_t rows, int64_t ldx, const uint16_t* w, in
 // kCols / 2 blocks).
 template <bool kGated, typename out_t>
 void blocks_of(const Row* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t K, int64_t count,
-               const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch) {
+               const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch, const GatedAdd& add) {
   const int64_t block_stride = K * kBlock;
   for (int64_t first = 0; first < count; first += kCols) {
     const uint16_t* wg = w + first * block_stride;
     const float* bg = bias ? bias + first * kBlock : nullptr;
     out_t* o = out + (kGated ? first / 2 : first) * kBlock;
     if constexpr (kGated) {
-      column_group<kCols, true>(x, rows, ldx, wg, K / 2, block_stride, bg, o, ldo, prefetch);
+      column_group<kCols, true>(x, rows, ldx, wg, K / 2, block_stride, bg, o, ldo, prefetch, add.at(0, first / 2 * kBlock));
       continue;
     }
     switch (std::min<int64_t>(kCols, count - first)) {
@@ -80,8 +82,8 @@ struct VectorTiles {
   struct Scope {};
   template <bool kGated, typename out_t>
   static void blocks(const Row* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t K, int64_t count,
-                     const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch) {
-    blocks_of<kGated>(x, rows, ldx, w, K, count, bias, out, ldo, prefetch);
+                     const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch, const GatedAdd& add = {}) {
+    blocks_of<kGated>(x, rows, ldx, w, K, count, bias, out, ldo, prefetch, add);
   }
 };
 
@@ -94,8 +96,8 @@ struct AmxTiles {
   };
   template <bool kGated, typename out_t>
   static void blocks(const Row* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t K, int64_t count,
-                     const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch) {
-    amx_blocks_of<kGated>(x, rows, ldx, w, K, count, bias, out, ldo, prefetch);
+                     const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch, const GatedAdd& add = {}) {
+    amx_blocks_of<kGated>(x, rows, ldx, w, K, count, bias, out, ldo, prefetch, add);
   }
 };
 #endif
@@ -108,7 +110,7 @@ struct AmxTiles {
 // on its tile, so the split changes no bits.
 template <typename Tiles, bool kGated, typename out_t>
 void product(const Row* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t blocks, const float* bp,
-             out_t* op, const PrefetchPlan* plan) {
+             out_t* op, const PrefetchPlan* plan, const GatedAdd& add = {}) {
   constexpr int64_t H = Tiles::kHeight;
   const int64_t N = (kGated ? blocks / 2 : blocks) * kBlock, block_stride = K * kBlock;
   const int64_t row_tiles = (M + H - 1) / H, groups = (blocks + kCols - 1) / kCols;
@@ -120,7 +122,7 @@ void product(const Row* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t bl
       begin *= unit, end *= unit;
       Tiles::template blocks<kGated>(xp, M, K, wp + begin * block_stride, K, end - begin,
                                      bp ? bp + begin * kBlock : nullptr, op + (begin / (kGated ? 2 : 1)) * kBlock, N,
-                                     none);
+                                     none, add.at(0, begin / 2 * kBlock));
     });
     return;
   }
@@ -133,7 +135,8 @@ void product(const Row* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t bl
       const int64_t r0 = tile0 * H, r1 = std::min(M, tile1 * H), first = g * kCols;
       Tiles::template blocks<kGated>(xp + r0 * K, r1 - r0, K, wp + first * block_stride, K,
                                      std::min<int64_t>(kCols, blocks - first), bp ? bp + first * kBlock : nullptr,
-                                     op + r0 * N + (kGated ? first / 2 : first) * kBlock, N, prefetch);
+                                     op + r0 * N + (kGated ? first / 2 : first) * kBlock, N, prefetch,
+                                     add.at(r0, first / 2 * kBlock));
       unit += tile1 - tile0;
     }
   });
@@ -219,7 +222,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std:
 }
 
 at::Tensor bf16_linear_prefetching(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                                   at::ScalarType out_dtype, bool gated, const PrefetchPlan* plan) {
+                                   at::ScalarType out_dtype, bool gated, const PrefetchPlan* plan,
+                                   const GatedAdd& add) {
+  TORCH_CHECK(add.rows == nullptr || gated, "bf16_linear: additions go to a gated product only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16_linear: x must be bf16 [M, K]");
   TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x.size(1), "bf16_linear: weight not packed for this K");
   TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat, "bf16_linear: output is bfloat16 or float32");
@@ -236,7 +241,7 @@ at::Tensor bf16_linear_prefetching(const at::Tensor& x, const at::Tensor& packed
   with_tiles(K, [&](auto tiles) {
     using Tiles = decltype(tiles);
     auto run = [&](auto* op) {
-      if (gated) product<Tiles, true>(xp, M, K, wp, blocks, bp, op, plan);
+      if (gated) product<Tiles, true>(xp, M, K, wp, blocks, bp, op, plan, add);
       else product<Tiles, false>(xp, M, K, wp, blocks, bp, op, plan);
     };
     if (out_dtype == at::kFloat) run(out.data_ptr<float>());
@@ -275,7 +280,7 @@ at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, const std::optional
 }
 
 at::Tensor bf16_linear_prefetching(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                   at::ScalarType, bool, const PrefetchPlan*) {
+                                   at::ScalarType, bool, const PrefetchPlan*, const GatedAdd&) {
   TORCH_CHECK(false, "bf16_linear: built without AVX2 or AVX512-BF16");
 }
 

@@ -11,6 +11,8 @@
 #include <tuple>
 #include <vector>
 
+#include "gated_add.h"
+
 namespace fiberserve {
 
 // window > 0: each row sees its last `window` keys only; softcap > 0: scores capped as Gemma 2 caps them.
@@ -63,7 +65,8 @@ struct PrefetchPlan;
 
 // bf16_linear that also pulls `plan`'s memory into cache while its tiles run (see simd/prefetch.h); plan may be null.
 at::Tensor bf16_linear_prefetching(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                                   at::ScalarType out_dtype, bool gated, const PrefetchPlan* plan);
+                                   at::ScalarType out_dtype, bool gated, const PrefetchPlan* plan,
+                                   const GatedAdd& add = {});
 
 // quant_linear that also pulls `plan`'s memory into cache while its tiles run (see simd/prefetch.h); plan may be null.
 at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,

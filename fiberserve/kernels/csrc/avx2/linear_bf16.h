@@ -81,14 +81,14 @@ template <int MR, int NB>
 // the first NR / 2 blocks are gate outputs and the others the matching up outputs, written as silu(gate) * up.
 template <int MR, int NR, bool kGated, typename out_t>
 [[gnu::noinline]] void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs, int64_t block_stride,
-                            const float* bias, out_t* out, int64_t ldo) {
+                            const float* bias, out_t* out, int64_t ldo, const GatedAdd& add = {}) {
   alignas(64) float result[MR][NR][kBlock];
   constexpr int NB = MR == 1 ? 4 : MR == 2 ? 2 : 1;  // blocks at once: 8 sums or more (see block_sums)
   int c = 0;
   for (; c + NB <= NR; c += NB)
     block_sums<MR, NB>(x, ldx, w + c * block_stride, block_stride, pairs, result[0][c], NR * kBlock);
   for (; c < NR; ++c) block_sums<MR, 1>(x, ldx, w + c * block_stride, block_stride, pairs, result[0][c], NR * kBlock);
-  store_tile<MR, NR, kGated>(result, bias, out, ldo);
+  store_tile<MR, NR, kGated>(result, bias, out, ldo, add);
 }
 
 }  // namespace

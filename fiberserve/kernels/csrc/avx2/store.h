@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "gated_add.h"
 #include "simd/vec16.h"
 
 namespace fiberserve {
@@ -20,9 +21,11 @@ inline f32x16 stored16(f32x16 y, const float*) { return y; }
 
 // MR rows x NR blocks of 16 sums (plus bias, if any) to out (row stride ldo).  kGated: the first NR / 2 blocks are
 // gate outputs and the others the matching up outputs (see GateUp in linear.py); the tile writes silu(gate) * up,
-// NR / 2 blocks, each input rounded to out_t first as a separate product and silu_mul would see it.
+// NR / 2 blocks, each input rounded to out_t first as a separate product and silu_mul would see it, or where
+// `add` adds to the row, the sums plus its additions (gated_add.h).
 template <int MR, int NR, bool kGated, typename out_t>
-inline void store_tile(const float (&sums)[MR][NR][kLanes], const float* bias, out_t* out, int64_t ldo) {
+inline void store_tile(const float (&sums)[MR][NR][kLanes], const float* bias, out_t* out, int64_t ldo,
+                       const GatedAdd& add = {}) {
   for (int r = 0; r < MR; ++r) {
     f32x16 y[NR];
     for (int c = 0; c < NR; ++c) {
@@ -32,7 +35,10 @@ inline void store_tile(const float (&sums)[MR][NR][kLanes], const float* bias, o
     }
     if constexpr (kGated)
       for (int c = 0; c < NR / 2; ++c)
-        store16(out + r * ldo + c * kLanes, silu_times(stored16(y[c], out), stored16(y[c + NR / 2], out)));
+        store16(out + r * ldo + c * kLanes,
+                add.adds(r) ? silu_times(y[c] + load16(add.gate + r * add.ld + c * kLanes),
+                                         y[c + NR / 2] + load16(add.up + r * add.ld + c * kLanes))
+                            : silu_times(stored16(y[c], out), stored16(y[c + NR / 2], out)));
   }
 }
 

@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include "amx/linear_bf16.h"
+#include "gated_add.h"
 
 namespace fiberserve {
 namespace {
@@ -34,12 +35,23 @@ inline __m512 stored(__m512 y, const c10::BFloat16*) {
 
 inline __m512 stored(__m512 y, const float*) { return y; }
 
+// silu(gate) * up of one block of a gated product's row `row`: the sums rounded to out_t first, or where `add`
+// adds to the row, the sums plus its additions at `feature` (gated_add.h).
+template <typename out_t>
+inline f32x16 gated_output(__m512 gate, __m512 up, const out_t* out, const GatedAdd& add, int64_t row,
+                           int64_t feature) {
+  if (add.adds(row))
+    return silu_times((f32x16)gate + load16(add.gate + row * add.ld + feature),
+                      (f32x16)up + load16(add.up + row * add.ld + feature));
+  return silu_times((f32x16)stored(gate, out), (f32x16)stored(up, out));
+}
+
 // MR rows x NR blocks.  kGated: the first NR / 2 blocks are gate outputs and the others the matching up outputs
 // (see GateUp in linear.py); the tile writes silu(gate) * up, NR / 2 blocks, each input rounded to out_t first as
 // a separate product and silu_mul would see it.  Kept out of line, as in linear_quant.cpp.
 template <int MR, int NR, bool kGated, typename out_t>
 [[gnu::noinline]] void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pairs, int64_t block_stride,
-                 const float* bias, out_t* out, int64_t ldo) {
+                 const float* bias, out_t* out, int64_t ldo, GatedAdd add = {}) {
   __m512 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -61,8 +73,7 @@ template <int MR, int NR, bool kGated, typename out_t>
   if constexpr (kGated)
     for (int r = 0; r < MR; ++r)
       for (int c = 0; c < NR / 2; ++c)
-        store16(out + r * ldo + c * kBlock,
-                silu_times((f32x16)stored(acc[r][c], out), (f32x16)stored(acc[r][c + NR / 2], out)));
+        store16(out + r * ldo + c * kBlock, gated_output(acc[r][c], acc[r][c + NR / 2], out, add, r, c * kBlock));
 }
 
 #if defined(FIBERSERVE_AMX)
@@ -74,6 +85,7 @@ struct PendingRows {
   out_t* out = nullptr;
   int64_t ldo = 0, next = 0, rows = 0;
   int count = 0;
+  GatedAdd add = {};
 
   // Up to `n` more rows written.
   void drain(int64_t n) {
@@ -86,7 +98,7 @@ struct PendingRows {
       out_t* row = out + next * ldo;
       if constexpr (kGated) {
         for (int c = 0; c < kCols / 2; ++c)
-          store16(row + c * kBlock, silu_times((f32x16)stored(acc[c], row), (f32x16)stored(acc[c + kCols / 2], row)));
+          store16(row + c * kBlock, gated_output(acc[c], acc[c + kCols / 2], row, add, next, c * kBlock));
       } else {
         for (int c = 0; c < count; ++c) store(row + c * kBlock, acc[c]);
       }
@@ -101,7 +113,7 @@ struct PendingRows {
 // as a gated unit's tile work.
 template <bool kGated, typename out_t>
 void amx_blocks_of(const Row* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t K, int64_t count,
-                   const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch) {
+                   const float* bias, out_t* out, int64_t ldo, PrefetchCursor& prefetch, const GatedAdd& add) {
   const int64_t block_stride = K * kBlock, steps = K / (2 * amx::kPairs);
   alignas(64) float sums[2][2 * amx::kRows * amx::kCols * kBlock];
   PendingRows<kGated, out_t> pending;
@@ -122,7 +134,8 @@ void amx_blocks_of(const Row* x, int64_t rows, int64_t ldx, const uint16_t* w, i
       prefetch.step();
       pending.drain(pending.rows);
       pending = {sums[buffer], bias ? bias + first * kBlock : nullptr,
-                 out + r * ldo + (kGated ? first / 2 : first) * kBlock, ldo, 0, std::min(height, rows - r), n};
+                 out + r * ldo + (kGated ? first / 2 : first) * kBlock, ldo, 0, std::min(height, rows - r), n,
+                 add.at(r, first / 2 * kBlock)};
       buffer ^= 1;
     }
   }
