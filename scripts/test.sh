@@ -29,5 +29,5 @@ fi
 # model's math on them), as a CPU without AVX-512 runs it.
 if [ $# -eq 0 ] && grep -qw avx512f /proc/cpuinfo; then
     FIBERSERVE_KERNEL_VARIANT=avx2 .venv/bin/python -m pytest -q tests/unit/test_kernels.py tests/unit/test_kv_format.py \
-        tests/unit/test_model_math.py
+        tests/unit/test_model_math.py tests/unit/test_lora.py
 fi
