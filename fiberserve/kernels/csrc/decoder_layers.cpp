@@ -78,7 +78,7 @@ class LoraAdditions {
     int64_t start = 0;
     size_t ints = 0, weights = 0;
     for (const int64_t count : groups) {
-      Group group{rows->narrow(0, start, count).contiguous(), {}};
+      Group group{rows->narrow(0, start, count), {}};
       start += count;
       for (size_t slot = 0; slot < linears; ++slot) {
         TORCH_CHECK(ints < layout.size(), "decoder_layers: the LoRA layout is shorter than its groups need");

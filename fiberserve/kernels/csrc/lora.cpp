@@ -188,18 +188,6 @@ void add_groups(at::Tensor& out, const at::Tensor& x, const std::vector<LoraGrou
                    });
 }
 
-// The value store16 writes to out_t, read back: what a product rounded to out_t hands the next kernel.
-template <typename out_t>
-inline f32x16 rounded_to(f32x16 v) {
-  if constexpr (std::is_same_v<out_t, float>) {
-    return v;
-  } else {
-    out_t stored[kLanes];
-    store16(stored, v);
-    return load16(stored);
-  }
-}
-
 template <typename out_t>
 void activate_rows(const float* both, const float* added, const uint8_t* adapted, out_t* out, int64_t rows,
                    int64_t features, int64_t chunk) {
@@ -214,8 +202,8 @@ void activate_rows(const float* both, const float* added, const uint8_t* adapted
           g += load16(gate_added + f);
           u += load16(gate_added + features + f);
         } else {
-          g = rounded_to<out_t>(g);
-          u = rounded_to<out_t>(u);
+          g = stored16(g, out);
+          u = stored16(u, out);
         }
         store16(out + row * features + f, silu_times(g, u));
       }
@@ -273,15 +261,13 @@ void lora_add_groups(at::Tensor& out, const at::Tensor& x, const std::vector<Lor
 void lora_add(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor>& rows,
               const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& bt, c10::IntArrayRef layout) {
   TORCH_CHECK(rows.size() == a.size() && a.size() == bt.size(), "lora_add: one rows, a and bt per group");
-  std::vector<at::Tensor> indices;  // kept alive while the groups point at them
   std::vector<LoraGroup> groups;
   size_t at = 0;
   for (size_t g = 0; g < rows.size(); ++g) {
     TORCH_CHECK(at < layout.size() && at + 1 + 5 * static_cast<size_t>(layout[at]) <= layout.size(),
                 "lora_add: the layout is shorter than its groups need");
     const size_t parts = static_cast<size_t>(layout[at]);
-    indices.push_back(rows[g].contiguous());
-    groups.push_back({indices.back(), a[g], bt[g], layout.slice(at + 1, 5 * parts)});
+    groups.push_back({rows[g].contiguous(), a[g], bt[g], layout.slice(at + 1, 5 * parts)});
     at += 1 + 5 * parts;
   }
   TORCH_CHECK(at == layout.size(), "lora_add: the layout is longer than its groups need");

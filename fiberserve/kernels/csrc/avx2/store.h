@@ -10,15 +10,6 @@
 
 namespace fiberserve {
 
-// What store16 to an out_t writes, read back as float32: what a product rounded to out_t hands the next kernel.
-inline f32x16 stored16(f32x16 y, const c10::BFloat16*) {
-  c10::BFloat16 rounded[kLanes];
-  store16(rounded, y);
-  return load16(rounded);
-}
-
-inline f32x16 stored16(f32x16 y, const float*) { return y; }
-
 // MR rows x NR blocks of 16 sums (plus bias, if any) to out (row stride ldo).  kGated: the first NR / 2 blocks are
 // gate outputs and the others the matching up outputs (see GateUp in linear.py); the tile writes silu(gate) * up,
 // NR / 2 blocks, each input rounded to out_t first as a separate product and silu_mul would see it, or where

@@ -201,4 +201,14 @@ inline void store16(c10::Half* p, f32x16 v) {
   for (int l = 0; l < kLanes; ++l) p[l] = static_cast<c10::Half>(v[l]);
 }
 
+// What store16 to an out_t writes, read back as float32: what a product rounded to out_t hands the next kernel.
+template <typename out_t>
+inline f32x16 stored16(f32x16 y, const out_t*) {
+  out_t rounded[kLanes];
+  store16(rounded, y);
+  return load16(rounded);
+}
+
+inline f32x16 stored16(f32x16 y, const float*) { return y; }
+
 }  // namespace fiberserve
