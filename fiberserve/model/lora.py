@@ -42,6 +42,8 @@ TARGET_MODULES = (
 )
 #: The products of a decoder layer an adapter adds to, in the order the C++ layer loop runs them.
 PRODUCTS = ("qkv", "o", "gate_up", "down")
+#: The columns of one panel of B^T as :func:`.kernels.lora_add` reads it: its SIMD width (16 float32 lanes).
+PANEL = 16
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 _PEFT_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
@@ -83,24 +85,25 @@ def placements(config: ModelConfig) -> dict[str, Placement]:
 class LowRank:
     """One adapter's addition to one product of one layer: ``x @ a.T`` gives every part's rank coordinates
     (``a``: the parts' A matrices stacked), rounded to the adapter's dtype; a part adds ``coordinates[:, first:last]
-    @ b.T`` (``b`` scaled) to the output columns ``start:end``.  ``bt`` holds each part's ``b.T`` flattened, from
-    element ``offset``: the layout :func:`.kernels.lora_add` takes, which runs it on a CPU (a row's bits depend on
-    the row alone); PyTorch's products elsewhere."""
+    @ b.T`` (``b`` scaled) to the output columns ``start:end``.  ``bt`` holds each part's ``b.T`` from element
+    ``offset``: in panels of 16 columns (:func:`in_panels`) where :func:`.kernels.lora_add` takes it, which runs it
+    on a CPU (a row's bits depend on the row alone); else flattened whole, for PyTorch's products."""
 
     def __init__(self, parts: list[tuple[Placement, torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> None:
         self.a = torch.cat([part_a for _, part_a, _ in parts]).to(dtype).contiguous()
+        self.dtype = dtype
+        widths = [self.a.shape[1], *(place.end - place.start for place, _, _ in parts)]
+        #: Whether :func:`.kernels.lora_add` takes it (on a CPU).
+        self.kernel_fits = dtype in (torch.float32, torch.bfloat16) and all(w % PANEL == 0 for w in widths)
         self.layout: list[int] = []  #: (start, end, first, last, offset) per part
         blocks, first, offset = [], 0, 0
         for place, part_a, part_b in parts:
             rank = part_a.shape[0]
-            blocks.append(part_b.t().to(dtype).flatten())
+            bt = part_b.t().to(dtype)
+            blocks.append(in_panels(bt) if self.kernel_fits else bt.flatten())
             self.layout += [place.start, place.end, first, first + rank, offset]
             first, offset = first + rank, offset + blocks[-1].numel()
         self.bt = torch.cat(blocks)
-        self.dtype = dtype
-        widths = [self.a.shape[1], *(place.end - place.start for place, _, _ in parts)]
-        #: Whether :func:`.kernels.lora_add` takes it (on a CPU).
-        self.kernel_fits = dtype in (torch.float32, torch.bfloat16) and all(w % 16 == 0 for w in widths)
 
     def kernel_layout(self) -> tuple[list[int], list[torch.Tensor]] | None:
         """This addition as :func:`.kernels.decoder_layers` takes it: its count of parts, each part's (start, end,
@@ -121,9 +124,22 @@ class LowRank:
         added = out[rows].float()
         for p in range(0, len(self.layout), 5):
             start, end, first, last, offset = self.layout[p : p + 5]
-            bt = self.bt[offset : offset + (last - first) * (end - start)].view(last - first, end - start)
+            bt = self.bt[offset : offset + (last - first) * (end - start)]
+            bt = from_panels(bt, last - first) if self.kernel_fits else bt.view(last - first, end - start)
             added[:, start:end] += coordinates[:, first:last] @ bt.float()
         out[rows] = added.to(out.dtype)
+
+
+def in_panels(bt: torch.Tensor) -> torch.Tensor:
+    """``bt`` [rank, columns] (columns a multiple of :data:`PANEL`) as :func:`.kernels.lora_add` reads it,
+    flattened: panel j holds columns ``PANEL * j`` onwards of every rank row, one row after another."""
+    rank, columns = bt.shape
+    return bt.reshape(rank, columns // PANEL, PANEL).transpose(0, 1).flatten()
+
+
+def from_panels(flat: torch.Tensor, rank: int) -> torch.Tensor:
+    """The [rank, columns] matrix that :func:`in_panels` laid out as ``flat``."""
+    return flat.view(-1, rank, PANEL).transpose(0, 1).reshape(rank, -1)
 
 
 class LoraAdapter:

@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from fiberserve.model import KVCache, LlamaModel, load_checkpoint
-from fiberserve.model.lora import LoraAdapter, LoraError, LoraRows
+from fiberserve.model.lora import (
+    PANEL,
+    LoraAdapter,
+    LoraError,
+    LoraRows,
+    LowRank,
+    Placement,
+    from_panels,
+    in_panels,
+)
 from tests.lora_adapters import EVERY_TARGET, write_gguf_adapter, write_peft_adapter
 from tests.tiny_models import TINY, random_weights, write_hf
 from tests.unit.test_model_math import PAGE, TOKENS, prefill_batch
@@ -36,7 +45,8 @@ def test_lora_add_adds_the_low_rank_product_to_its_rows_only_each_row_alone_in_i
     x = torch.randn(5, 48).to(dtype)
     a = torch.randn(8, 48).to(dtype)
     b1, b2 = torch.randn(32, 3).to(dtype), torch.randn(16, 5).to(dtype)
-    bt = torch.cat([b1.t().flatten(), b2.t().flatten()])
+    bt = torch.cat([in_panels(b1.t()), in_panels(b2.t())])
+    assert torch.equal(from_panels(bt[:96], 3), b1.t()) and torch.equal(from_panels(bt[96:], 5), b2.t())
     layout = [0, 32, 0, 3, 0, 48, 64, 3, 8, 96]
     out = torch.randn(5, 64).to(dtype)
     before = out.clone()
@@ -54,6 +64,27 @@ def test_lora_add_adds_the_low_rank_product_to_its_rows_only_each_row_alone_in_i
     assert torch.equal(alone[1], out[1])
     with pytest.raises(RuntimeError, match="part 1 does not fit"):
         kernels.lora_add(out, x, [rows], [a], [bt[:-1]], [2, *layout])
+
+
+@pytest.mark.parametrize("columns", [32, 24])
+def test_a_low_rank_addition_adds_the_same_through_the_kernel_or_pytorch(columns):
+    """A product of 32 columns runs in lora_add (B^T in panels), one of 24 in PyTorch's products (B^T whole): either
+    adds scale-free ``(x a^T) b^T`` of each part to its columns of the given rows only."""
+    torch.manual_seed(7)
+    parts = [
+        (Placement("qkv", 0, columns, 48), torch.randn(3, 48), torch.randn(columns, 3)),
+        (Placement("qkv", columns, 2 * columns, 48), torch.randn(5, 48), torch.randn(columns, 5)),
+    ]
+    low = LowRank(parts, torch.float32)
+    assert low.kernel_fits == (columns % PANEL == 0)
+    x, out = torch.randn(4, 48), torch.randn(4, 2 * columns)
+    before, rows = out.clone(), torch.tensor([2, 0])
+    low.add_to(out, x, rows)
+    expected = before.clone()
+    for place, a, b in parts:
+        expected[rows, place.start : place.end] += (x[rows] @ a.T) @ b.T
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[[1, 3]], before[[1, 3]])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

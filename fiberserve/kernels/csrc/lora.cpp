@@ -6,8 +6,9 @@
 //   x      [N, K]   the product's input, in a's dtype (float32 or bfloat16), K a multiple of 16
 //   rows   int64 [M]  the group's rows; rows of no group are not touched
 //   a      [R, K]   the parts' A matrices stacked: coordinates c = x a^T, rounded to a's dtype
-//   bt     contiguous, each part's B transposed and scaled, [last - first, end - start] from element `offset`:
-//                   part p adds c[first:last] times it to out[:, start:end]
+//   bt     contiguous, each part's B transposed and scaled ([last - first, end - start]) from element `offset`, in
+//          panels of 16 columns: panel j holds columns 16j .. 16j + 15 of every rank row, one row after another, so
+//          the pass reads it front to back; part p adds c[first:last] times it to out[:, start:end]
 //   parts  int64    per part (start, end, first, last, offset); end - start a multiple of 16
 //
 // A row's result depends on the row alone: each coordinate is a dot product with 16 fixed partial sums reduced in
@@ -31,15 +32,21 @@
 namespace fiberserve {
 namespace {
 
-constexpr int kChains = 4;  // coordinates, or blocks of 16 output columns, summed at once for each row of a tile
+constexpr int kChains = 4;  // coordinates, or panels of 16 output columns, summed at once for each row of a tile
+// How far ahead of its reads the pass asks for A's rows (elements) and B^T's panels (calls of add_panels): the
+// loads it has in flight alone leave memory idle between them.
+constexpr int64_t kRowAhead = 512;
+constexpr int64_t kPanelsAhead = 2;
 // Rows that share each load of A and B^T (AVX2's 16 registers hold one row's sums only).
 #if defined(__AVX512F__)
 constexpr int kMaxTile = 4;
 #else
 constexpr int kMaxTile = 1;
 #endif
+// The most rows of one group a thread takes at a time (a prefill's many rows are shared out).
+constexpr int64_t kMaxUnitRows = 64;
 
-// One adapter's weights for one product, as add_tile reads them: A [rank, width], the parts' B^T (bt_size
+// One adapter's weights for one product, as add_rows reads them: A [rank, width], the parts' B^T (bt_size
 // elements), and `parts` entries of (start, end, first, last, offset) in `layout`.
 template <typename in_t>
 struct LowRank {
@@ -49,6 +56,8 @@ struct LowRank {
   int64_t bt_size;
   const int64_t* layout;
   int64_t parts;
+
+  int64_t work() const { return rank * width + bt_size; }  // multiply-adds a row
 };
 
 // Each chain's sum, rounded to in_t, as coordinate r + c of row t.
@@ -77,6 +86,7 @@ void coordinates_of(const in_t* const (&input)[T], const LowRank<in_t>& w, int64
         __m512bh in[T];
         for (int t = 0; t < T; ++t) in[t] = (__m512bh)_mm512_loadu_si512(input[t] + k);
         for (int c = 0; c < C; ++c) {
+          __builtin_prefetch(a + c * w.width + k + kRowAhead);
           const __m512bh weight = (__m512bh)_mm512_loadu_si512(a + c * w.width + k);
           for (int t = 0; t < T; ++t) pairs[t][c] = _mm512_dpbf16_ps(pairs[t][c], in[t], weight);
         }
@@ -93,6 +103,7 @@ void coordinates_of(const in_t* const (&input)[T], const LowRank<in_t>& w, int64
     f32x16 in[T];
     for (int t = 0; t < T; ++t) in[t] = load16(input[t] + k);
     for (int c = 0; c < C; ++c) {
+      __builtin_prefetch(a + c * w.width + k + kRowAhead);
       const f32x16 weight = load16(a + c * w.width + k);
       for (int t = 0; t < T; ++t) sums[t][c] += in[t] * weight;
     }
@@ -100,15 +111,20 @@ void coordinates_of(const in_t* const (&input)[T], const LowRank<in_t>& w, int64
   round_coordinates<T, C, in_t>(sums, w.rank, r, coordinates);
 }
 
-// Adds C blocks of 16 columns from `column` of one part (B^T rows first .. last, `columns` wide) to T rows.
+// Adds C panels of 16 columns from `column` of one part (its B^T panels at b, rank rows first .. last) to T rows.
 template <int T, int C, typename in_t, typename out_t>
-void add_blocks(out_t* const (&target)[T], const float* coordinates, int64_t rank, const in_t* b, int64_t first,
-                int64_t last, int64_t columns, int64_t column) {
+void add_panels(out_t* const (&target)[T], const float* coordinates, int64_t rank, const in_t* b, int64_t first,
+                int64_t last, int64_t column) {
+  const int64_t panel = (last - first) * kLanes;  // elements of one panel
+  const in_t* panels = b + (column / kLanes) * panel;
   f32x16 added[T][C] = {};
   for (int64_t r = first; r < last; ++r) {
-    const in_t* b_row = b + (r - first) * columns + column;
+    const in_t* b_row = panels + (r - first) * kLanes;
     f32x16 weight[C];
-    for (int c = 0; c < C; ++c) weight[c] = load16(b_row + c * kLanes);
+    for (int c = 0; c < C; ++c) {
+      __builtin_prefetch(b_row + (kPanelsAhead * C + c) * panel);
+      weight[c] = load16(b_row + c * panel);
+    }
     for (int t = 0; t < T; ++t) {
       const float coordinate = coordinates[t * rank + r];
       for (int c = 0; c < C; ++c) added[t][c] += coordinate * weight[c];
@@ -121,31 +137,59 @@ void add_blocks(out_t* const (&target)[T], const float* coordinates, int64_t ran
     }
 }
 
-// The addition to T rows at once: every load of A and B^T serves the T rows.
-template <int T, typename in_t, typename out_t>
-void add_tile(out_t* out, int64_t out_stride, const in_t* x, int64_t x_stride, const int64_t* rows,
-              const LowRank<in_t>& w, float* coordinates) {
-  const in_t* input[T];
-  for (int t = 0; t < T; ++t) input[t] = x + rows[t] * x_stride;
-  int64_t r = 0;
-  for (; r + kChains <= w.rank; r += kChains) coordinates_of<T, kChains>(input, w, r, coordinates);
-  for (; r < w.rank; ++r) coordinates_of<T, 1>(input, w, r, coordinates);
-  for (int64_t p = 0; p < w.parts; ++p) {
-    const int64_t *part = w.layout + 5 * p, columns = part[1] - part[0];
-    out_t* target[T];
-    for (int t = 0; t < T; ++t) target[t] = out + rows[t] * out_stride + part[0];
-    const in_t* b = w.bt + part[4];
-    int64_t j = 0;
-    for (; j + kChains * kLanes <= columns; j += kChains * kLanes)
-      add_blocks<T, kChains>(target, coordinates, w.rank, b, part[2], part[3], columns, j);
-    for (; j < columns; j += kLanes) add_blocks<T, 1>(target, coordinates, w.rank, b, part[2], part[3], columns, j);
+// Calls step(std::integral_constant<int, T>{}, first) for rows first .. first + T of `count`, in tiles of up to
+// kMaxTile rows.
+template <typename F>
+void for_tiles(int64_t count, F&& step) {
+  int64_t first = 0;
+  for (; first + kMaxTile <= count; first += kMaxTile) step(std::integral_constant<int, kMaxTile>{}, first);
+  if constexpr (kMaxTile > 1) {
+    switch (count - first) {
+      case 3: return step(std::integral_constant<int, std::min(3, kMaxTile)>{}, first);
+      case 2: return step(std::integral_constant<int, std::min(2, kMaxTile)>{}, first);
+      case 1: return step(std::integral_constant<int, 1>{}, first);
+    }
   }
 }
 
-// One tile of rows of one group: what a thread of the parallel pass takes at a time.
-struct Tile {
+// The addition to `count` rows of one group: each chunk of A (kChains rank rows) and of B^T (kChains panels) is
+// read from memory once and serves every tile of the rows while it is in cache; every load serves a tile's rows.
+template <typename in_t, typename out_t>
+void add_rows(out_t* out, int64_t out_stride, const in_t* x, int64_t x_stride, const int64_t* rows, int64_t count,
+              const LowRank<in_t>& w, float* coordinates) {
+  auto coordinates_from = [&](int64_t r, auto chains) {
+    for_tiles(count, [&](auto tile, int64_t first) {
+      constexpr int T = decltype(tile)::value;
+      const in_t* input[T];
+      for (int t = 0; t < T; ++t) input[t] = x + rows[first + t] * x_stride;
+      coordinates_of<T, decltype(chains)::value>(input, w, r, coordinates + first * w.rank);
+    });
+  };
+  int64_t r = 0;
+  for (; r + kChains <= w.rank; r += kChains) coordinates_from(r, std::integral_constant<int, kChains>{});
+  for (; r < w.rank; ++r) coordinates_from(r, std::integral_constant<int, 1>{});
+  for (int64_t p = 0; p < w.parts; ++p) {
+    const int64_t *part = w.layout + 5 * p, columns = part[1] - part[0];
+    const in_t* b = w.bt + part[4];
+    auto add_from = [&](int64_t column, auto chains) {
+      for_tiles(count, [&](auto tile, int64_t first) {
+        constexpr int T = decltype(tile)::value;
+        out_t* target[T];
+        for (int t = 0; t < T; ++t) target[t] = out + rows[first + t] * out_stride + part[0];
+        add_panels<T, decltype(chains)::value>(target, coordinates + first * w.rank, w.rank, b, part[2], part[3],
+                                               column);
+      });
+    };
+    int64_t j = 0;
+    for (; j + kChains * kLanes <= columns; j += kChains * kLanes) add_from(j, std::integral_constant<int, kChains>{});
+    for (; j < columns; j += kLanes) add_from(j, std::integral_constant<int, 1>{});
+  }
+}
+
+// Rows first .. first + count of one group: what a thread of the parallel pass takes at a time.
+struct Unit {
   size_t group;
-  int64_t first, count;  // rows first .. first + count of the group's
+  int64_t first, count;
 };
 
 template <typename in_t, typename out_t>
@@ -157,35 +201,40 @@ void add_groups(at::Tensor& out, const at::Tensor& x, const std::vector<LoraGrou
                        g.parts.data(), static_cast<int64_t>(g.parts.size() / 5)});
     rows += g.rows.size(0);
     max_rank = std::max(max_rank, g.a.size(0));
-    max_work = std::max(max_work, g.a.size(0) * g.a.size(1) + g.bt.numel());
+    max_work = std::max(max_work, weights.back().work());
   }
-  // Tiles of up to kMaxTile rows, small enough that every thread gets one; a pass of under about 64k
+  // Each group's rows in as few units as give every thread a share (the adapter's weights are read once per
+  // unit), at most kMaxUnitRows each, dealt out largest first to the thread with the least work so far (a unit's
+  // work: reading its weights, as much as four rows' arithmetic, and its rows'); a pass of under about 64k
   // multiply-adds a thread (a decode's few rows of a small model) stays on the calling thread.
   const int64_t threads = at::get_num_threads();
-  const int64_t tile = std::clamp<int64_t>((rows + threads - 1) / threads, 1, kMaxTile);
-  std::vector<Tile> tiles;
-  for (size_t g = 0; g < groups.size(); ++g)
-    for (int64_t first = 0; first < groups[g].rows.size(0); first += tile)
-      tiles.push_back({g, first, std::min(tile, groups[g].rows.size(0) - first)});
+  const int64_t most = std::clamp<int64_t>((rows + threads - 1) / threads, 1, kMaxUnitRows);
+  std::vector<Unit> units;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const int64_t count = groups[g].rows.size(0), split = (count + most - 1) / most;
+    for (int64_t i = 0; i < split; ++i)
+      units.push_back({g, i * count / split, (i + 1) * count / split - i * count / split});
+  }
+  auto work_of = [&](const Unit& u) { return weights[u.group].work() * (4 + u.count); };
+  std::sort(units.begin(), units.end(), [&](const Unit& a, const Unit& b) { return work_of(a) > work_of(b); });
+  const int64_t shares = std::min<int64_t>(threads, static_cast<int64_t>(units.size()));
+  std::vector<std::vector<Unit>> share(shares);
+  std::vector<int64_t> work(shares, 0);
+  for (const Unit& u : units) {
+    const size_t least = std::min_element(work.begin(), work.end()) - work.begin();
+    share[least].push_back(u);
+    work[least] += work_of(u);
+  }
   out_t* out_data = out.data_ptr<out_t>();
   const in_t* x_data = x.data_ptr<in_t>();
   const int64_t out_stride = out.stride(0), x_stride = x.stride(0);
-  at::parallel_for(0, static_cast<int64_t>(tiles.size()), std::max<int64_t>(1, 65536 / (tile * max_work)),
-                   [&](int64_t begin, int64_t end) {
-                     std::vector<float> coordinates(kMaxTile * max_rank);
-                     for (int64_t i = begin; i < end; ++i) {
-                       const Tile& t = tiles[i];
-                       const int64_t* rows_of = groups[t.group].rows.data_ptr<int64_t>() + t.first;
-                       const LowRank<in_t>& w = weights[t.group];
-                       float* c = coordinates.data();
-                       switch (t.count) {
-                         case 4: add_tile<std::min(4, kMaxTile)>(out_data, out_stride, x_data, x_stride, rows_of, w, c); break;
-                         case 3: add_tile<std::min(3, kMaxTile)>(out_data, out_stride, x_data, x_stride, rows_of, w, c); break;
-                         case 2: add_tile<std::min(2, kMaxTile)>(out_data, out_stride, x_data, x_stride, rows_of, w, c); break;
-                         default: add_tile<1>(out_data, out_stride, x_data, x_stride, rows_of, w, c);
-                       }
-                     }
-                   });
+  at::parallel_for(0, shares, std::max<int64_t>(1, 65536 / (most * max_work)), [&](int64_t begin, int64_t end) {
+    std::vector<float> coordinates(most * max_rank);
+    for (int64_t i = begin; i < end; ++i)
+      for (const Unit& u : share[i])
+        add_rows(out_data, out_stride, x_data, x_stride, groups[u.group].rows.data_ptr<int64_t>() + u.first, u.count,
+                 weights[u.group], coordinates.data());
+  });
 }
 
 template <typename out_t>
