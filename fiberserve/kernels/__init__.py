@@ -117,16 +117,6 @@ def lora_add(
     torch.ops.fiberserve.lora_add(out, x, rows, a, bt, layout)
 
 
-def lora_gate_up(
-    both: torch.Tensor, added: torch.Tensor, adapted: torch.Tensor, chunk: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """``silu(gate) * up`` [N, F] in ``dtype`` from a gated gate/up weight's float32 product ``both`` [N, 2F] (gate
-    and up interleaved in ``chunk``s, see :func:`interleave_gate_up`): rows where ``adapted`` (bool [N]) is false
-    exactly as the gated product gives them; adapted rows with ``added`` [N, 2F] (float32, gate columns then up
-    columns) added to their gate and up first, activated in float32 as :func:`silu_mul` does, then rounded."""
-    return torch.ops.fiberserve.lora_gate_up(both, added, adapted, chunk, dtype)
-
-
 #: Gate (then up) features per chunk of a gated product's weight rows: half a column group of each kernel.
 BF16_GATE_CHUNK = 32
 QUANT_GATE_CHUNK = 16
@@ -343,7 +333,6 @@ def decoder_layers(
     dtype: torch.dtype,
     layers: tuple[list, list, list, list, list, list],
     lora: tuple[torch.Tensor | None, list[int], list[torch.Tensor], list[int]] = (None, [], [], []),
-    gate_chunks: list[int] | None = None,
 ) -> None:
     """Every decoder layer on the float32 residual ``h`` [T, W], in place, writing K/V into ``k_cache``/``v_cache``
     [layers, slots, KVH, D]: per layer ``add_rms_norm``, qkv, ``rope_store``, ``paged_attention``, o,
@@ -358,11 +347,8 @@ def decoder_layers(
     :func:`quant_linear`, one without :func:`bf16_linear`.
 
     ``lora``: LoRA adapters' additions (:meth:`.LoraRows.kernel_args`: the rows of each group, their counts, the
-    adapters' A and B transposed, their layout: see :func:`lora_add`), added to their rows after each product;
-    ``gate_chunks``: each layer's gate/up interleaving chunk, with which their rows' gate and up are recomputed
-    before the activation.
+    adapters' A and B transposed, their layout: see :func:`lora_add`), added to their rows after each product
+    (gate/up's before its activation, in the gated kernel).
     """
     tables = (*attention, heads, eps, dtype)  # pages, row_span, row_keys, page_size, scale, ...
-    torch.ops.fiberserve.decoder_layers(
-        h, positions, cos, sin, write_slots, k_cache, v_cache, *tables, *layers, *lora, gate_chunks or []
-    )
+    torch.ops.fiberserve.decoder_layers(h, positions, cos, sin, write_slots, k_cache, v_cache, *tables, *layers, *lora)

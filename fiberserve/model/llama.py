@@ -187,8 +187,6 @@ class LlamaModel:
         #: The layers' tensors for :func:`.kernels.decoder_layers` when every decoder product runs on the
         #: extension's kernels (so the whole layer loop can run in C++), else None.
         self.native_layers = self._native_layer_tensors() if self.fused else None
-        #: Each layer's gate/up interleaving chunk (what the C++ loop recomputes LoRA rows' gate and up with).
-        self.gate_chunks = [layer.gate_up.chunk or 0 for layer in self.layers]
 
     def _native_layer_tensors(self) -> tuple[list, list, list, list, list, list] | None:
         norms: list[torch.Tensor] = []
@@ -301,7 +299,6 @@ class LlamaModel:
             kernels.decoder_layers(
                 h, inputs.positions, self.rope.cos, self.rope.sin, inputs.write_slots, cache.k, cache.v,
                 attention.tables, self.config.num_heads, self.eps, self.dtype, self.native_layers, lora,
-                self.gate_chunks,
             )  # fmt: skip
         elif self.fused and isinstance(attention, PagedKernelAttention):
             self._layers_fused(inputs, attention)

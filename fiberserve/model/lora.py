@@ -333,8 +333,8 @@ class LoraRows:
 
     def gate_up(self, layer: int, gate_up, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (a :class:`.GateUp`'s activated output for ``x``) with each group's rows recomputed from the gate
-        and up products plus its adapter's additions, added before the activation (as
-        :func:`.kernels.lora_gate_up` does in the C++ layer loop, bit for bit)."""
+        and up products plus its adapter's additions, added before the activation (as the gated kernel's epilogue
+        does in the C++ layer loop, bit for bit)."""
         for adapter, rows in self.groups:
             low = adapter.layers[layer].get("gate_up")
             if low is not None:

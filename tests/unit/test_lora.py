@@ -114,26 +114,6 @@ def test_lora_add_of_several_groups_in_one_pass_gives_each_row_its_bits_alone(dt
         kernels.lora_add(together, x, groups, [a for a, _ in weights], [bt for _, bt in weights], layout * 2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lora_gate_up_activates_base_rows_as_the_gated_product_and_adapted_rows_with_their_additions(dtype):
-    from fiberserve import kernels
-
-    kernels.load()
-    torch.manual_seed(6)
-    rows, features, chunk = 5, 64, 16
-    both = torch.randn(rows, 2 * features) * 3
-    added = torch.randn(rows, 2 * features)
-    adapted = torch.tensor([False, True, False, True, True])
-    out = kernels.lora_gate_up(both, added, adapted, chunk, dtype)
-    gate_then_up = both.view(rows, features // chunk, 2, chunk).transpose(1, 2).reshape(rows, 2 * features)
-    base = kernels.silu_mul(gate_then_up.to(dtype))  # the gated product's bits: gate and up rounded first
-    with_added = kernels.silu_mul(gate_then_up + added).to(dtype)
-    assert out.dtype == dtype
-    assert torch.equal(out[~adapted], base[~adapted]) and torch.equal(out[adapted], with_added[adapted])
-    with pytest.raises(RuntimeError, match="chunk"):
-        kernels.lora_gate_up(both, added, adapted, 24, dtype)
-
-
 @pytest.mark.parametrize("rank", [8, 64])
 @pytest.mark.parametrize("base", ["hf", "gguf"])
 def test_an_adapter_gives_transformers_peft_logits_on_the_merged_model(tiny_dirs, tmp_path, rank, base):
@@ -166,8 +146,8 @@ def test_llama_cpp_s_gguf_adapter_gives_the_peft_adapter_s_logits(tiny_dirs, tmp
 def test_mixed_adapters_in_one_batch_keep_every_row_s_bits(tmp_path, quantization):
     """A flight of sequences under two adapters and the base model, prefill chunks beside decode tokens: each
     row's logits are the bits it gets alone (the base alone runs the C++ layer loop with no LoRA), the C++ loop
-    adds the adapters as the Python loop does, bit for bit (int4: the gate/up additions through lora_gate_up;
-    bf16: in the gated kernel's epilogue), and an adapter of scale 0 gives the base model's bits."""
+    adds the adapters as the Python loop does, bit for bit (the gate/up additions in the gated int4 or bf16
+    kernel's epilogue), and an adapter of scale 0 gives the base model's bits."""
     from fiberserve import kernels
     from fiberserve.model.linear import quant_kernel_available
 

@@ -38,21 +38,21 @@ struct Linears {
     return bf16_linear_prefetching(x, weights[index], bias, out_dtype, gated, prefetch);
   }
 
-  // Whether linear layer `slot` is one bf16 product: its gated kernel takes additions (gated_add.h).
-  bool takes_additions(size_t slot) const {
-    return first[slot + 1] == first[slot] + 1 && !scales.get(first[slot]).has_value();
-  }
-
   // The outputs of linear layer `slot`'s gated product (half its weight's rows) where it takes additions.
   int64_t gated_features(size_t slot) const {
-    const at::Tensor& packed = weights[first[slot]];  // [blocks, K / 2, block, 2] (linear_bf16.cpp)
-    return packed.size(0) * packed.size(2) / 2;
+    const size_t index = first[slot];
+    return (scales.get(index) ? quant_linear_outputs(weights[index]) : bf16_linear_outputs(weights[index])) / 2;
   }
 
-  // The gated bf16 product of linear layer `slot` with `add`'s additions before its activation.
+  // The gated product of linear layer `slot` with `add`'s additions before its activation.
   at::Tensor gated_with(const at::Tensor& x, size_t slot, at::ScalarType out_dtype, const GatedAdd& add,
                         const PrefetchPlan* prefetch) const {
-    return bf16_linear_prefetching(x, weights[first[slot]], biases.get(first[slot]), out_dtype, true, prefetch, add);
+    const size_t index = first[slot];
+    const std::optional<at::Tensor> scale = scales.get(index), bias = biases.get(index);
+    if (scale)
+      return quant_linear_prefetching(x, weights[index], *scale, *mins.get(index), bias, out_dtype, true, prefetch,
+                                      add);
+    return bf16_linear_prefetching(x, weights[index], bias, out_dtype, true, prefetch, add);
   }
 
   // Linear layer `slot` (4 per decoder layer): its one product, or its products' outputs side by side.
@@ -99,11 +99,10 @@ class LoraAdditions {
     if (!adding.empty()) lora_add_groups(y, x, adding);
   }
 
-  // silu(gate) * up of gate/up linear layer `slot` (its rows interleaved in `chunk`s: see GateUp in linear.py) for
-  // x, in dtype: the gated product where no group adds to it; else the groups' additions to gate and up go into
-  // a buffer, which a bf16 gated product adds in its epilogue (gated_add.h), and other products' one float32
-  // product for every row, activated by lora_gate_up; either way base rows get the gated product's bits.
-  at::Tensor gate_up(const at::Tensor& x, size_t slot, const Linears& linear, int64_t chunk, at::ScalarType dtype,
+  // silu(gate) * up of gate/up linear layer `slot` (one gated product) for x, in dtype: where groups add to it,
+  // their additions to gate and up go into a buffer that the gated kernel adds in its epilogue (gated_add.h), so
+  // base rows get the gated product's bits either way.
+  at::Tensor gate_up(const at::Tensor& x, size_t slot, const Linears& linear, at::ScalarType dtype,
                      const PrefetchPlan* prefetch) const {
     const std::vector<LoraGroup> adding = groups_adding(slot);
     if (adding.empty()) return linear(x, slot, dtype, /*gated=*/true, prefetch);
@@ -114,17 +113,11 @@ class LoraAdditions {
       const int64_t* group_rows = group.rows.data_ptr<int64_t>();
       for (int64_t i = 0; i < group.rows.size(0); ++i) is_adapted[group_rows[i]] = true;
     }
-    if (linear.takes_additions(slot)) {  // added in the gated kernel's epilogue
-      const int64_t features = linear.gated_features(slot);
-      at::Tensor added = at::zeros({rows, 2 * features}, x.options().dtype(at::kFloat));  // gate, then up columns
-      lora_add_groups(added, x, adding);
-      const float* gate = added.data_ptr<float>();
-      return linear.gated_with(x, slot, dtype, GatedAdd{gate, gate + features, 2 * features, is_adapted}, prefetch);
-    }
-    const at::Tensor both = linear(x, slot, at::kFloat, /*gated=*/false, prefetch);
-    at::Tensor added = at::zeros_like(both);
+    const int64_t features = linear.gated_features(slot);
+    at::Tensor added = at::zeros({rows, 2 * features}, x.options().dtype(at::kFloat));  // gate, then up columns
     lora_add_groups(added, x, adding);
-    return lora_gate_up(both, added, adapted, chunk, dtype);
+    const float* gate = added.data_ptr<float>();
+    return linear.gated_with(x, slot, dtype, GatedAdd{gate, gate + features, 2 * features, is_adapted}, prefetch);
   }
 
  private:
@@ -186,16 +179,17 @@ void decoder_layers(at::Tensor& h, const at::Tensor& positions, const at::Tensor
                     const c10::List<std::optional<at::Tensor>>& mins,
                     const c10::List<std::optional<at::Tensor>>& biases, c10::IntArrayRef parts,
                     const std::optional<at::Tensor>& lora_rows, c10::IntArrayRef lora_groups,
-                    const std::vector<at::Tensor>& lora_tensors, c10::IntArrayRef lora_layout,
-                    c10::IntArrayRef gate_chunks) {
+                    const std::vector<at::Tensor>& lora_tensors, c10::IntArrayRef lora_layout) {
   const size_t layers = norms.size() / 2;
   TORCH_CHECK(norms.size() == 2 * layers && parts.size() == 4 * layers && scales.size() == weights.size() &&
                   mins.size() == weights.size() && biases.size() == weights.size(),
               "decoder_layers: 2 norms and 4 linear layers (each of `parts` products: weight, scales, mins, bias) "
               "per layer");
   std::vector<size_t> first{0};
-  for (const int64_t n : parts) {
-    TORCH_CHECK(n >= 1, "decoder_layers: a linear layer has at least one product");
+  for (size_t slot = 0; slot < parts.size(); ++slot) {
+    const int64_t n = parts[slot];
+    TORCH_CHECK(n >= 1 && (slot % 4 != 2 || n == 1),
+                "decoder_layers: a linear layer has at least one product, gate/up exactly one (gated)");
     first.push_back(first.back() + static_cast<size_t>(n));
   }
   TORCH_CHECK(first.back() == weights.size(), "decoder_layers: the parts must add up to the products given");
@@ -203,7 +197,6 @@ void decoder_layers(at::Tensor& h, const at::Tensor& positions, const at::Tensor
               "decoder_layers: the cache must be [layers, slots, kv_heads, head_dim]");
   const Linears linear{weights, scales, mins, biases, std::move(first)};
   const LoraAdditions lora(lora_rows, lora_groups, lora_tensors, lora_layout, 4 * layers);
-  TORCH_CHECK(!lora_rows || gate_chunks.size() == layers, "decoder_layers: LoRA needs each layer's gate/up chunk");
   std::optional<at::Tensor> delta;  // the previous layer's MLP output, added to h by the next norm
   PrefetchPlan next_kv;  // the next layer's keys and values, pulled into cache during this layer's gate/up product
   for (size_t i = 0; i < layers; ++i) {
@@ -221,7 +214,7 @@ void decoder_layers(at::Tensor& h, const at::Tensor& positions, const at::Tensor
                     pages, row_span, row_keys, page_size, next_kv);
     else
       next_kv.ranges.clear();
-    const at::Tensor gated = lora.gate_up(x, 4 * i + 2, linear, lora_rows ? gate_chunks[i] : 0, dtype, &next_kv);
+    const at::Tensor gated = lora.gate_up(x, 4 * i + 2, linear, dtype, &next_kv);
     at::Tensor down = linear(gated, 4 * i + 3, at::kFloat);
     lora.add(down, gated, 4 * i + 3);
     delta = down;

@@ -292,4 +292,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bf16_linear_race(cons
 
 #endif
 
+// packed: [blocks, K / 2, block, 2].
+int64_t bf16_linear_outputs(const at::Tensor& packed) { return packed.size(0) * packed.size(2); }
+
 }  // namespace fiberserve

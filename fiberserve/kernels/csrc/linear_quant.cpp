@@ -205,13 +205,15 @@ namespace fiberserve {
 #if defined(FIBERSERVE_QUANT_TILES)
 namespace {
 
-// All rows against NR column blocks, a row tile at a time.
+// All rows against NR column blocks, a row tile at a time (`add`: a gated product's additions, gated_add.h).
 template <int NR, typename F, bool kGated, typename out_t>
 void column_group(const QuantizedRows& x, int64_t M, const ColumnBlocks<F>& cols, const float* bias, out_t* out,
-                  int64_t ldo, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
+                  int64_t ldo, PrefetchCursor& prefetch, PrefetchCursor& next_group, const GatedAdd& add) {
   for_each_row_tile<kRows>(
       0, M,
-      [&](auto height, int64_t r) { tile<decltype(height)::value, NR, F, kGated, out_t>(x, r, cols, bias, out + r * ldo, ldo); },
+      [&](auto height, int64_t r) {
+        tile<decltype(height)::value, NR, F, kGated, out_t>(x, r, cols, bias, out + r * ldo, ldo, add.at(r, 0));
+      },
       [&] { prefetch.step(), next_group.step(); });
 }
 
@@ -263,7 +265,7 @@ struct Weights {
 
 template <bool kGated, typename out_t>
 void product(const QuantizedRows& x, int64_t M, const Weights& weights, const float* bias, out_t* out,
-             const PrefetchPlan* plan) {
+             const PrefetchPlan* plan, const GatedAdd& add) {
   const int64_t N = (kGated ? weights.column_blocks / 2 : weights.column_blocks) * kBlock;
   with_format(weights.format, [&](auto format) {
     using F = decltype(format);
@@ -271,11 +273,13 @@ void product(const QuantizedRows& x, int64_t M, const Weights& weights, const fl
       const int64_t first = g * kCols, blocks = weights.count(g, n);
       const ColumnBlocks<F> cols = weights.at<F>(first);
       const float* bg = bias ? bias + first * kBlock : nullptr;
-      out_t* o = out + (kGated ? g : first) * kBlock;
+      const int64_t output = (kGated ? g : first) * kBlock;
+      out_t* o = out + output;
+      const GatedAdd a = add.at(0, output);
       if (blocks == kOneRowGroups * kCols)
-        column_group<kOneRowGroups * kCols, F, kGated>(x, M, cols, bg, o, N, prefetch, next_group);
-      else if (kGated || blocks == kCols) column_group<kCols, F, kGated>(x, M, cols, bg, o, N, prefetch, next_group);
-      else if constexpr (!kGated) column_group<1, F, false>(x, M, cols, bg, o, N, prefetch, next_group);
+        column_group<kOneRowGroups * kCols, F, kGated>(x, M, cols, bg, o, N, prefetch, next_group, a);
+      else if (kGated || blocks == kCols) column_group<kCols, F, kGated>(x, M, cols, bg, o, N, prefetch, next_group, a);
+      else if constexpr (!kGated) column_group<1, F, false>(x, M, cols, bg, o, N, prefetch, next_group, a);
     });
   });
 }
@@ -423,10 +427,14 @@ Operands operands(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
 
 }  // namespace
 
+int64_t quant_linear_outputs(const at::Tensor& packed) { return packed.size(0) * kBlock; }
+
 at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                    const at::Tensor& mins, const std::optional<at::Tensor>& bias,
-                                   at::ScalarType out_dtype, bool gated, const PrefetchPlan* plan) {
+                                   at::ScalarType out_dtype, bool gated, const PrefetchPlan* plan,
+                                   const GatedAdd& add) {
   TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat, "quant_linear: output is bfloat16 or float32");
+  TORCH_CHECK(add.rows == nullptr || gated, "quant_linear: additions go to a gated product only");
   const Operands op = operands(x, packed, scales, mins);
   const int64_t column_blocks = op.weights.column_blocks;
   TORCH_CHECK(!gated || column_blocks % kCols == 0, "quant_linear: gated needs output features in multiples of ",
@@ -435,8 +443,8 @@ at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packe
   at::Tensor out = at::empty({op.M, (gated ? column_blocks / 2 : column_blocks) * kBlock}, x.options().dtype(out_dtype));
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
   auto run = [&](auto* o) {
-    if (gated) product<true>(op.rows, op.M, op.weights, bp, o, plan);
-    else product<false>(op.rows, op.M, op.weights, bp, o, plan);
+    if (gated) product<true>(op.rows, op.M, op.weights, bp, o, plan, add);
+    else product<false>(op.rows, op.M, op.weights, bp, o, plan, add);
   };
   if (out_dtype == at::kFloat) run(out.data_ptr<float>());
   else run(out.data_ptr<c10::BFloat16>());
@@ -458,13 +466,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quant_linear_race(
 
 bool quant_gemm_available() { return false; }
 
+int64_t quant_linear_outputs(const at::Tensor&) { TORCH_CHECK(false, "quant_linear: built without AVX2"); }
+
 at::Tensor quant_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                      const std::optional<at::Tensor>&, at::ScalarType, bool) {
   TORCH_CHECK(false, "quant_linear: built without AVX2");
 }
 
 at::Tensor quant_linear_prefetching(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                   const std::optional<at::Tensor>&, at::ScalarType, bool, const PrefetchPlan*) {
+                                   const std::optional<at::Tensor>&, at::ScalarType, bool, const PrefetchPlan*,
+                                   const GatedAdd&) {
   TORCH_CHECK(false, "quant_linear: built without AVX2");
 }
 

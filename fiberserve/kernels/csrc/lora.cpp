@@ -237,29 +237,6 @@ void add_groups(at::Tensor& out, const at::Tensor& x, const std::vector<LoraGrou
   });
 }
 
-template <typename out_t>
-void activate_rows(const float* both, const float* added, const uint8_t* adapted, out_t* out, int64_t rows,
-                   int64_t features, int64_t chunk) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / features), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const float* product = both + row * 2 * features;
-      const float* gate_added = added + row * 2 * features;
-      for (int64_t f = 0; f < features; f += kLanes) {  // feature f: gate at column 2 * chunk * (f / chunk) + f % chunk
-        const float* gate = product + 2 * (f - f % chunk) + f % chunk;
-        f32x16 g = load16(gate), u = load16(gate + chunk);
-        if (adapted[row]) {
-          g += load16(gate_added + f);
-          u += load16(gate_added + features + f);
-        } else {
-          g = stored16(g, out);
-          u = stored16(u, out);
-        }
-        store16(out + row * features + f, silu_times(g, u));
-      }
-    }
-  });
-}
-
 template <typename F>
 void with_output_type(at::ScalarType type, const char* op, F&& run) {
   switch (type) {
@@ -321,28 +298,6 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor
   }
   TORCH_CHECK(at == layout.size(), "lora_add: the layout is longer than its groups need");
   lora_add_groups(out, x, groups);
-}
-
-at::Tensor lora_gate_up(const at::Tensor& both, const at::Tensor& added, const at::Tensor& adapted, int64_t chunk,
-                        at::ScalarType dtype) {
-  TORCH_CHECK(both.dim() == 2 && both.is_contiguous() && both.scalar_type() == at::kFloat,
-              "lora_gate_up: both must be contiguous float32 [rows, 2F]");
-  const int64_t rows = both.size(0), features = both.size(1) / 2;
-  TORCH_CHECK(chunk > 0 && chunk % kLanes == 0 && features % chunk == 0 && both.size(1) == 2 * features,
-              "lora_gate_up: the gate/up chunk must be a multiple of 16 dividing the features");
-  TORCH_CHECK(added.sizes() == both.sizes() && added.is_contiguous() && added.scalar_type() == at::kFloat,
-              "lora_gate_up: added must be contiguous float32 like both");
-  TORCH_CHECK(adapted.dim() == 1 && adapted.size(0) == rows && adapted.scalar_type() == at::kBool &&
-                  adapted.is_contiguous(),
-              "lora_gate_up: adapted must be bool [rows]");
-  at::Tensor out = at::empty({rows, features}, both.options().dtype(dtype));
-  with_output_type(dtype, "lora_gate_up", [&](auto zero) {
-    using out_t = decltype(zero);
-    activate_rows<out_t>(both.data_ptr<float>(), added.data_ptr<float>(),
-                         reinterpret_cast<const uint8_t*>(adapted.data_ptr<bool>()), out.data_ptr<out_t>(), rows,
-                         features, chunk);
-  });
-  return out;
 }
 
 }  // namespace fiberserve

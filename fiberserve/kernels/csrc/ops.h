@@ -68,10 +68,15 @@ at::Tensor bf16_linear_prefetching(const at::Tensor& x, const at::Tensor& packed
                                    at::ScalarType out_dtype, bool gated, const PrefetchPlan* plan,
                                    const GatedAdd& add = {});
 
+// The output features of a product of packed weights (bf16_linear's, quant_linear's).
+int64_t bf16_linear_outputs(const at::Tensor& packed);
+int64_t quant_linear_outputs(const at::Tensor& packed);
+
 // quant_linear that also pulls `plan`'s memory into cache while its tiles run (see simd/prefetch.h); plan may be null.
 at::Tensor quant_linear_prefetching(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                    const at::Tensor& mins, const std::optional<at::Tensor>& bias,
-                                   at::ScalarType out_dtype, bool gated, const PrefetchPlan* plan);
+                                   at::ScalarType out_dtype, bool gated, const PrefetchPlan* plan,
+                                   const GatedAdd& add = {});
 
 // The k largest outputs of each row of bf16_linear(x, packed, none, float32) (values and indices, as top_k_rows),
 // without writing the product, and for each sampled row (inv_temperature > 0) its k largest race entries (see
@@ -118,12 +123,6 @@ void lora_add_groups(at::Tensor& out, const at::Tensor& x, const std::vector<Lor
 void lora_add(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor>& rows,
               const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& bt, c10::IntArrayRef layout);
 
-// silu(gate) * up in dtype from a gated gate/up weight's float32 product `both` [N, 2F] (gate and up interleaved in
-// `chunk`s): a row where `adapted` is false as the gated product gives it (gate and up rounded to dtype first);
-// an adapted row with `added` [N, 2F] (gate columns, then up columns) added to its float32 gate and up first.
-at::Tensor lora_gate_up(const at::Tensor& both, const at::Tensor& added, const at::Tensor& adapted, int64_t chunk,
-                        at::ScalarType dtype);
-
 void decoder_layers(at::Tensor& h, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                     const at::Tensor& write_slots, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& pages,
                     const at::Tensor& row_span, const at::Tensor& row_keys, int64_t page_size, double scale,
@@ -131,7 +130,6 @@ void decoder_layers(at::Tensor& h, const at::Tensor& positions, const at::Tensor
                     const std::vector<at::Tensor>& weights, const c10::List<std::optional<at::Tensor>>& scales,
                     const c10::List<std::optional<at::Tensor>>& mins, const c10::List<std::optional<at::Tensor>>& biases,
                     c10::IntArrayRef parts, const std::optional<at::Tensor>& lora_rows, c10::IntArrayRef lora_groups,
-                    const std::vector<at::Tensor>& lora_tensors, c10::IntArrayRef lora_layout,
-                    c10::IntArrayRef gate_chunks);
+                    const std::vector<at::Tensor>& lora_tensors, c10::IntArrayRef lora_layout);
 
 }  // namespace fiberserve

@@ -37,13 +37,12 @@ TORCH_LIBRARY(fiberserve, m) {
       "quant_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor? bias, ScalarType out_dtype, "
       "bool gated=False) -> Tensor");
   m.def("lora_add(Tensor(a!) out, Tensor x, Tensor[] rows, Tensor[] a, Tensor[] bt, int[] layout) -> ()");
-  m.def("lora_gate_up(Tensor both, Tensor added, Tensor adapted, int chunk, ScalarType dtype) -> Tensor");
   m.def(
       "decoder_layers(Tensor(a!) h, Tensor positions, Tensor cos, Tensor sin, Tensor write_slots, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor pages, Tensor row_span, Tensor row_keys, int page_size, float scale, int heads, "
       "float eps, ScalarType dtype, Tensor[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] mins, "
-      "Tensor?[] biases, int[] parts, Tensor? lora_rows, int[] lora_groups, Tensor[] lora_tensors, int[] lora_layout, "
-      "int[] gate_chunks) -> ()");
+      "Tensor?[] biases, int[] parts, Tensor? lora_rows, int[] lora_groups, Tensor[] lora_tensors, int[] lora_layout) "
+      "-> ()");
 }
 
 // Takes no tensor, so it is registered for every dispatch key.
@@ -71,6 +70,5 @@ TORCH_LIBRARY_IMPL(fiberserve, CPU, m) {
   m.impl("refined_race", &fiberserve::refined_race);
   m.impl("race_rows", &fiberserve::race_rows);
   m.impl("lora_add", &fiberserve::lora_add);
-  m.impl("lora_gate_up", &fiberserve::lora_gate_up);
   m.impl("decoder_layers", &fiberserve::decoder_layers);
 }

@@ -208,14 +208,14 @@ inline void half_tile(const QuantizedRows& x, int64_t row0, const uint8_t* w, co
 // The AVX-512 tile's contract (see linear_quant.cpp): MR rows x NR column blocks of the product, plus bias, to out.
 template <int MR, int NR, typename F, bool kGated, typename out_t>
 [[gnu::noinline]] void tile(const QuantizedRows& x, int64_t row0, const ColumnBlocks<F>& cols, const float* bias,
-                            out_t* out, int64_t ldo) {
+                            out_t* out, int64_t ldo, const GatedAdd& add = {}) {
   alignas(64) float result[MR][NR][kBlock];
   for (int c = 0; c < NR; ++c)
     for (int h = 0; h < 2; ++h)
       half_tile<MR, F>(x, row0, cols.w + c * cols.w_stride + 32 * h, cols.d + c * cols.dm_stride,
                        F::kStoredMins ? cols.m + c * cols.dm_stride : nullptr, h, result[0][c] + 8 * h, NR * kBlock);
   static_assert(!kGated || NR == 2, "a gated tile is one gate block and its up block");
-  store_tile<MR, NR, kGated>(result, bias, out, ldo);
+  store_tile<MR, NR, kGated>(result, bias, out, ldo, add);
 }
 
 }  // namespace

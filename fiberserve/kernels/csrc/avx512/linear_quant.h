@@ -180,11 +180,11 @@ inline void half_block_sums(const QuantizedRows& x, int64_t row0, int64_t b, con
 // MR rows x NR column blocks of weights in format F.
 // kGated (NR even): blocks 2p hold gate outputs and blocks 2p + 1 the matching up outputs (see GateUp in
 // linear.py); the tile writes silu(gate) * up, NR / 2 blocks, each input rounded to out_t first as a separate
-// product and silu_mul would see it.  Kept out of line: inlined into its column loop, the compiler allocates the 24
-// accumulators worse.
+// product and silu_mul would see it, or where `add` adds to the row, the sums plus its additions (gated_add.h).
+// Kept out of line: inlined into its column loop, the compiler allocates the 24 accumulators worse.
 template <int MR, int NR, typename F, bool kGated, typename out_t>
 [[gnu::noinline]] void tile(const QuantizedRows& x, int64_t row0, const ColumnBlocks<F>& cols, const float* bias,
-                            out_t* out, int64_t ldo) {
+                            out_t* out, int64_t ldo, const GatedAdd& add = {}) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
@@ -255,9 +255,13 @@ template <int MR, int NR, typename F, bool kGated, typename out_t>
   if constexpr (kGated) {
     static_assert(NR % 2 == 0, "a gated tile is gate blocks, each beside its up block");
     for (int r = 0; r < MR; ++r)
-      for (int p = 0; p < NR / 2; ++p)
+      for (int p = 0; p < NR / 2; ++p) {
+        const f32x16 gate = (f32x16)acc[r][2 * p], up = (f32x16)acc[r][2 * p + 1];
         store16(out + r * ldo + p * kBlock,
-                silu_times((f32x16)stored(acc[r][2 * p], out), (f32x16)stored(acc[r][2 * p + 1], out)));
+                add.adds(r) ? silu_times(gate + load16(add.gate + r * add.ld + p * kBlock),
+                                         up + load16(add.up + r * add.ld + p * kBlock))
+                            : silu_times((f32x16)stored(acc[r][2 * p], out), (f32x16)stored(acc[r][2 * p + 1], out)));
+      }
   }
 }
 
