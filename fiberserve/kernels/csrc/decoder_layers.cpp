@@ -30,29 +30,20 @@ struct Linears {
   const c10::List<std::optional<at::Tensor>>& biases;
   std::vector<size_t> first;
 
+  // Product `index` (`add`: a gated product's additions before its activation, gated_add.h).
   at::Tensor product(const at::Tensor& x, size_t index, at::ScalarType out_dtype, bool gated,
-                     const PrefetchPlan* prefetch) const {
+                     const PrefetchPlan* prefetch, const GatedAdd& add = {}) const {
     const std::optional<at::Tensor> scale = scales.get(index), bias = biases.get(index);
     if (scale)
-      return quant_linear_prefetching(x, weights[index], *scale, *mins.get(index), bias, out_dtype, gated, prefetch);
-    return bf16_linear_prefetching(x, weights[index], bias, out_dtype, gated, prefetch);
+      return quant_linear_prefetching(x, weights[index], *scale, *mins.get(index), bias, out_dtype, gated, prefetch,
+                                      add);
+    return bf16_linear_prefetching(x, weights[index], bias, out_dtype, gated, prefetch, add);
   }
 
-  // The outputs of linear layer `slot`'s gated product (half its weight's rows) where it takes additions.
+  // The outputs of linear layer `slot`'s gated product: half its weight's rows.
   int64_t gated_features(size_t slot) const {
     const size_t index = first[slot];
     return (scales.get(index) ? quant_linear_outputs(weights[index]) : bf16_linear_outputs(weights[index])) / 2;
-  }
-
-  // The gated product of linear layer `slot` with `add`'s additions before its activation.
-  at::Tensor gated_with(const at::Tensor& x, size_t slot, at::ScalarType out_dtype, const GatedAdd& add,
-                        const PrefetchPlan* prefetch) const {
-    const size_t index = first[slot];
-    const std::optional<at::Tensor> scale = scales.get(index), bias = biases.get(index);
-    if (scale)
-      return quant_linear_prefetching(x, weights[index], *scale, *mins.get(index), bias, out_dtype, true, prefetch,
-                                      add);
-    return bf16_linear_prefetching(x, weights[index], bias, out_dtype, true, prefetch, add);
   }
 
   // Linear layer `slot` (4 per decoder layer): its one product, or its products' outputs side by side.
@@ -117,7 +108,8 @@ class LoraAdditions {
     at::Tensor added = at::zeros({rows, 2 * features}, x.options().dtype(at::kFloat));  // gate, then up columns
     lora_add_groups(added, x, adding);
     const float* gate = added.data_ptr<float>();
-    return linear.gated_with(x, slot, dtype, GatedAdd{gate, gate + features, 2 * features, is_adapted}, prefetch);
+    const GatedAdd add{gate, gate + features, 2 * features, is_adapted};
+    return linear.product(x, linear.first[slot], dtype, /*gated=*/true, prefetch, add);
   }
 
  private:
