@@ -199,7 +199,7 @@ def quant_pack(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.T
     * the K formats in their own factors (:class:`.SuperScales`): int8 scales and mins, per column block and
       super-block 16 float16 ``d`` then the groups' steps; Q4_K 4-bit, Q5_K bytes with mins, Q6_K 6-bit (the
       4-bit layout's nibbles, then per block 2 loads of high bits) with a scale per 16 inputs (its mins empty),
-      Q3_K and Q2_K 4-bit with a scale per 16 inputs (Q3_K signed, its mins empty; Q2_K with a min per 16);
+      Q3_K 3-bit and Q2_K 2-bit with a scale per 16 inputs (Q3_K signed, its mins empty; Q2_K with a min per 16);
     * any other 8 bits (Q5_1, mixed formats): bytes with float32 scales and mins (``-zero * scale`` where the blocks
       have a zero), one per block or per half block; any other 4 bits likewise with float32 scales and mins."""
     return torch.ops.fiberserve.quant_pack_q(blocks.q, blocks.bits), *quant_pack_factors(blocks)

@@ -7,8 +7,8 @@ import numpy as np
 
 #: The GGUF block formats served in their own blocks, and the bits of their ``q`` here.
 NATIVE_BITS = {
-    "Q2_K": 4,
-    "Q3_K": 4,
+    "Q2_K": 2,
+    "Q3_K": 3,
     "Q4_0": 4,
     "Q4_1": 4,
     "Q4_K": 4,

@@ -4,9 +4,9 @@ with a scale and a min per block or per half block (``group`` inputs).
 Kinds of block, by the bits of ``q``:
 
 * 4 bits (``q`` in 0..15, any ``min``): llama.cpp's Q4_1, Q4_0 (``w = d * (q - 8)``, so ``min = -8 d``) and
-  Q4_K (a super-block's float16 ``d`` and ``dmin`` times each block's 6-bit scale and min); with a scale per 16
-  inputs, Q3_K (``w = d * scale6 * q`` with q in -4..3, stored as q + 8, ``zero = 8``) and Q2_K (``w = d * scale4 *
-  q - dmin * min4`` with q in 0..3), a nibble holding their 3 or 2 bits;
+  Q4_K (a super-block's float16 ``d`` and ``dmin`` times each block's 6-bit scale and min);
+* 3 and 2 bits, a scale per 16 inputs: Q3_K (``w = d * scale6 * q`` with q in -4..3, stored as q + 4, ``zero =
+  4``) and Q2_K (``w = d * scale4 * q - dmin * min4`` with q in 0..3);
 * 8 bits, ``q`` a byte: llama.cpp's Q8_0 (its signed q stored as q + 128, ``zero = 128``), Q5_0 (``w = d * (q -
   16)`` with q in 0..31, stored as q + 112), IQ4_NL (``w = d * table[q]``, its 4-bit index looked up in
   llama.cpp's table of 16 int8 values, stored as table[q] + 128), Q5_1 and Q5_K (5-bit q with a min);
@@ -42,7 +42,7 @@ _ZEROS_AND_GROUPS = {
     "Q8_0": (128, QUANT_GROUP),
     "IQ4_NL": (128, QUANT_GROUP),
     "Q2_K": (None, 16),
-    "Q3_K": (8, 16),
+    "Q3_K": (4, 16),
     "Q4_K": (None, QUANT_GROUP),
     "Q5_K": (None, QUANT_GROUP),
     "Q6_K": (32, 16),
@@ -75,7 +75,7 @@ class QuantBlocks:
     q: torch.Tensor  #: uint8 [N, K]
     scale: torch.Tensor  #: float32 [N, K / group]
     min: torch.Tensor  #: float32 [N, K / group] (``-zero * scale`` where there is a zero)
-    bits: int  #: 4, 6 (Q6_K) or 8
+    bits: int  #: 2 (Q2_K), 3 (Q3_K), 4, 6 (Q6_K) or 8
     zero: int | None = None
     group: int = QUANT_GROUP  #: inputs per scale: 32, or 16 (Q2_K, Q3_K, Q6_K)
     float32_scales: bool = False  #: whether scales and mins need float32 (else their values are float16)

@@ -334,8 +334,8 @@ QUANT_FORMATS = {
     "4-bit, float32 scales": (4, None, 32, True, False),  # 4-bit blocks of mixed formats
     "signed bytes": (8, 128, 32, False, False),  # Q8_0, Q5_0, IQ4_NL
     "6-bit, K factors": (6, 32, 16, True, True),  # Q6_K
-    "4-bit signed per 16, K factors": (4, 8, 16, True, True),  # Q3_K
-    "4-bit with mins per 16, K factors": (4, None, 16, True, True),  # Q2_K
+    "3-bit signed per 16, K factors": (3, 4, 16, True, True),  # Q3_K
+    "2-bit with mins per 16, K factors": (2, None, 16, True, True),  # Q2_K
     "bytes with mins, K factors": (8, None, 32, True, True),  # Q5_K
     "bytes with mins": (8, None, 32, True, False),  # Q5_1
     "bytes with mins per 16": (8, None, 16, True, False),  # blocks of mixed formats
@@ -383,16 +383,28 @@ def packed_by_definition(q: torch.Tensor, bits: int) -> torch.Tensor:
     n, k = q.shape
     if bits == 8:
         return q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-    q6 = q.view(n // 16, 16, k // 32, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # [N/16, K/32, half, load, 16, 4]
-    packed = (q6[:, :, 0] & 0x0F) | ((q6[:, :, 1] & 0x0F) << 4)
+    steps = q.view(n // 16, 16, k // 32, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # [N/16, K/32, half, load, 16, 4]
+
+    def pair_loads(two_bits: torch.Tensor) -> torch.Tensor:
+        """Loads 2i and 2i + 1's 2-bit fields, low half then high, in load i's bytes."""
+        pairs = two_bits.reshape(n // 16, k // 32, 2, 2, 2, 16, 4)  # [.., half, i, load of the pair, 16, 4]
+        fields = [pairs[:, :, half, :, pair] << (2 * (2 * pair + half)) for pair in (0, 1) for half in (0, 1)]
+        return fields[0] | fields[1] | fields[2] | fields[3]
+
+    if bits <= 3:
+        packed = pair_loads(steps & 3)
+        if bits == 3:  # the third bit of load j's half h at bit 2j + h
+            third = (steps >> 2) & 1
+            bits_of = [third[:, :, half, j] << (2 * j + half) for j in range(4) for half in (0, 1)]
+            packed = torch.cat([packed, sum(bits_of[1:], bits_of[0])[:, :, None]], 2)
+        return packed.contiguous()
+    packed = (steps[:, :, 0] & 0x0F) | ((steps[:, :, 1] & 0x0F) << 4)
     if bits == 6:  # each high-bit load: the 2 high bits of loads 2i, 2i + 1, low half then high
-        high = (q6 >> 4).reshape(n // 16, k // 32, 2, 2, 2, 16, 4)  # [.., half, i, load of the pair, 16, 4]
-        fields = [high[:, :, half, :, pair] << (2 * (2 * pair + half)) for pair in (0, 1) for half in (0, 1)]
-        packed = torch.cat([packed, fields[0] | fields[1] | fields[2] | fields[3]], 2)
+        packed = torch.cat([packed, pair_loads(steps >> 4)], 2)
     return packed.contiguous()
 
 
-@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 6, 8])
 def test_weights_pack_into_the_kernels_layout(bits):
     q = torch.randint(0, 2**bits, (48, 256), dtype=torch.uint8)
     assert torch.equal(torch.ops.fiberserve.quant_pack_q(q, bits), packed_by_definition(q, bits))

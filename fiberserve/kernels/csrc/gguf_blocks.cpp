@@ -108,15 +108,15 @@ void unpack_block(const uint8_t* in, const int8_t* table, uint8_t* q, const Outp
   } else if constexpr (type == Type::kQ3_K) {  // hmask[32], qs[64], 6-bit scales[12], d
     const float d = half_at(in + 108);
     const uint8_t *hmask = in, *qs = in + 32, *packed = in + 96;
-    for (int e = 0; e < 256; ++e) {  // q in -4..3 stored as q + 8: the low 2 bits, minus 4 where the mask bit is 0
+    for (int e = 0; e < 256; ++e) {  // q in -4..3 stored as q + 4: the low 2 bits, minus 4 where the mask bit is 0
       const int low = (qs[32 * (e / 128) + e % 32] >> (2 * (e / 32 % 4))) & 3;
       const int high = (hmask[e % 32] >> (e / 32)) & 1;
-      q[e] = static_cast<uint8_t>(low + (high ? 8 : 4));
+      q[e] = static_cast<uint8_t>(low | (high << 2));
     }
     for (int j = 0; j < 16; ++j) {
       const int low = (packed[j % 8] >> (4 * (j / 8))) & 0x0F, high = (packed[8 + j % 4] >> (2 * (j / 4))) & 3;
       const int8_t step = static_cast<int8_t>((low | (high << 4)) - 32);
-      out.scale[g + j] = d * step, out.min[g + j] = -8.0f * (d * step);
+      out.scale[g + j] = d * step, out.min[g + j] = -4.0f * (d * step);
       out.steps[g + j] = step;
     }
     std::memcpy(out.d + super, in + 108, 2);
@@ -165,8 +165,8 @@ Layout layout_of(const std::string& name) {
   if (name == "Q5_0") return {Type::kQ5_0, 32, 22, 1, 8};
   if (name == "Q5_1") return {Type::kQ5_1, 32, 24, 1, 8};
   if (name == "Q8_0") return {Type::kQ8_0, 32, 34, 1, 8};
-  if (name == "Q2_K") return {Type::kQ2_K, 256, 84, 16, 4};
-  if (name == "Q3_K") return {Type::kQ3_K, 256, 110, 16, 4};
+  if (name == "Q2_K") return {Type::kQ2_K, 256, 84, 16, 2};
+  if (name == "Q3_K") return {Type::kQ3_K, 256, 110, 16, 3};
   if (name == "Q4_K") return {Type::kQ4_K, 256, 144, 8, 4};
   if (name == "Q5_K") return {Type::kQ5_K, 256, 176, 8, 8};
   if (name == "Q6_K") return {Type::kQ6_K, 256, 210, 16, 6};

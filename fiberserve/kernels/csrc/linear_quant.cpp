@@ -7,8 +7,8 @@
 //   8 bits, signed (Q8_0, Q5_0, IQ4_NL): w = d * (q - 128), q stored as a byte; a group's dot product is
 //                  d * dx * (sum(q * xq) - 128 * sum(xq)), no min;
 //   6 bits, signed (Q6_K): w = d * (q - 32), q in 0..63 as a 4-bit part and a 2-bit part, a scale per 16 inputs;
-//   4 bits, a scale per 16 inputs (Q3_K signed: w = d * (q - 8); Q2_K with a min per 16 inputs): the nibbles of
-//                  the 4-bit layout, walked a half block at a time as the 6 bits are;
+//   3 bits, signed (Q3_K: w = d * (q - 4), q in 0..7), and 2 bits with mins (Q2_K: q in 0..3), a scale per 16
+//                  inputs: planes of 2 bits (and 1 for Q3_K), walked a half block at a time as the 6 bits are;
 //   8 bits with mins (Q5_1, Q5_K and blocks of mixed formats): q a byte, the 4-bit arithmetic,
 // i.e. exactly the dot product of the dequantized weights and the quantized activations.  The sums are integer
 // arithmetic: AVX512-VNNI vpdpbusd multiplies 4 unsigned q by 4 signed xq per lane, 64 products an instruction
@@ -22,7 +22,9 @@
 // 16 outputs); 4 bits as [N / 16][K / 32][4][16][4] bytes, the low nibble for inputs 4j..4j+3 of a block and the
 // high nibble for inputs 16+4j..16+4j+3 (one load holds two steps); 6 bits as the 4 bits' 4 loads of a block and
 // then 2 more, each byte of those holding the 2 high bits of the same byte of 4 of the nibble loads' steps (load
-// 2i + l, nibble n at bits 2 (2l + n)): a shift and a mask put them above the nibbles.  d and m: [N / 16][K / group][16], in float16
+// 2i + l, nibble n at bits 2 (2l + n)): a shift and a mask put them above the nibbles; 2 bits as those 2 loads
+// alone, holding q; 3 bits as the 2 bits' loads and one more, its byte holding the third bit of 8 steps (load j,
+// half h at bit 2j + h), so a block of a column block is `bits` loads (quant_pack.cpp).  d and m: [N / 16][K / group][16], in float16
 // where the format's values are float16 (a quarter of the bytes of 4-bit weights, where float32 would be half),
 // else float32.  The K formats' d (and m) is a super-block's float16 times a group's small integer (exact in
 // float32 only), which the tiles compute from the file's own factors (SuperFactors): int8 [N / 16][K / 256][32 +
@@ -114,7 +116,7 @@ template <int kBits_, bool kMins_, typename scale_t_, int kScaleGroup_, int kMin
 struct Format {
   static constexpr int kBits = kBits_;
   static constexpr bool kMins = kMins_;
-  static constexpr int kZero = kBits_ == 4 ? 8 : kBits_ == 6 ? 32 : 128;  // a signed q's offset
+  static constexpr int kZero = 1 << (kBits_ - 1);  // a signed q's offset
   static constexpr int64_t kBlockBytes = kGroup * kBlock * kBits_ / 8;  // bytes of a block of a column block
   static constexpr int kMinSteps = kMinSteps_;
   static constexpr bool kStoredMins = kMins_ && kMinSteps_ == 0;
@@ -122,12 +124,13 @@ struct Format {
   static constexpr int kScalesPerBlock = kGroup / kScaleGroup_;
   static constexpr bool kSuper = std::is_same_v<scale_t_, int8_t>;
   using scale_t = scale_t_;
-  // Whether q is walked a half block at a time (a scale per 16 inputs, 4 or 6 bits).
+  // Whether q is walked a half block at a time (a scale per 16 inputs, 2, 3 or 6 bits).
   static constexpr bool kHalves = kBits_ <= 6 && kScaleGroup_ == kGroup / 2;
-  static_assert(kMins || kBits >= 6 || kHalves, "signed q: 6 or 8 bits, or 4 bits with a scale per half block");
-  static_assert(kBits != 4 || kScaleGroup == kGroup || (kHalves && kSuper), "4 bits: a scale per block, or K factors per half");
-  static_assert(kBits != 6 || (!kMins && kHalves), "6 bits: signed, a scale per half block");
-  static_assert(!kSuper || !kMins || kScaleGroup == kGroup || kBits == 4, "a K format's mins: per block, or 4 bits' per half");
+  static_assert(kBits == 4 ? kMins && kScaleGroup == kGroup : kBits == 8 || (kHalves && kSuper),
+                "4 bits: mins, a scale per block; 2, 3 and 6 bits: K factors per half block");
+  static_assert((kBits != 6 && kBits != 3) || !kMins, "3 and 6 bits: signed");
+  static_assert(kBits != 2 || kMins, "2 bits: with mins");
+  static_assert(!kSuper || !kMins || kScaleGroup == kGroup || kBits == 2, "a K format's mins: per block, or 2 bits' per half");
 };
 
 using Q4 = Format<4, true, c10::Half, 32>;           // Q4_1 (and Q4_0 blocks of a mixed matrix)
@@ -136,14 +139,14 @@ using Q4Super = Format<4, true, int8_t, 32>;         // Q4_K
 using Q4Wide = Format<4, true, float, 32>;           // 4-bit blocks of mixed formats
 using Q8 = Format<8, false, c10::Half, 32>;          // Q8_0, Q5_0, IQ4_NL
 using Q6Super = Format<6, false, int8_t, 16>;        // Q6_K
-using Q4SignedHalves = Format<4, false, int8_t, 16>; // Q3_K
-using Q4HalfMins = Format<4, true, int8_t, 16>;      // Q2_K
+using Q3Super = Format<3, false, int8_t, 16>;        // Q3_K
+using Q2SuperMins = Format<2, true, int8_t, 16>;     // Q2_K
 using Q8SuperMins = Format<8, true, int8_t, 32>;     // Q5_K
 using Q8Mins = Format<8, true, float, 32>;           // Q5_1
 using Q8HalfMins = Format<8, true, float, 16>;       // blocks of mixed formats
 
 enum class FormatId {
-  kQ4, kQ4Zero8, kQ4Super, kQ4Wide, kQ4SignedHalves, kQ4HalfMins, kQ6Super, kQ8, kQ8SuperMins, kQ8Mins, kQ8HalfMins
+  kQ4, kQ4Zero8, kQ4Super, kQ4Wide, kQ3Super, kQ2SuperMins, kQ6Super, kQ8, kQ8SuperMins, kQ8Mins, kQ8HalfMins
 };
 
 // fn(F{}) for the format `id` names.
@@ -154,8 +157,8 @@ void with_format(FormatId id, const Fn& fn) {
     case FormatId::kQ4Zero8: return fn(Q4Zero8{});
     case FormatId::kQ4Super: return fn(Q4Super{});
     case FormatId::kQ4Wide: return fn(Q4Wide{});
-    case FormatId::kQ4SignedHalves: return fn(Q4SignedHalves{});
-    case FormatId::kQ4HalfMins: return fn(Q4HalfMins{});
+    case FormatId::kQ3Super: return fn(Q3Super{});
+    case FormatId::kQ2SuperMins: return fn(Q2SuperMins{});
     case FormatId::kQ6Super: return fn(Q6Super{});
     case FormatId::kQ8: return fn(Q8{});
     case FormatId::kQ8SuperMins: return fn(Q8SuperMins{});
@@ -346,13 +349,17 @@ struct Operands {
   int64_t M;
 };
 
-// The format of packed weights, from their tensors (see kernels.quant_pack): 4 bits are 5-dimensional [N / 16,
-// K / 32, 4, 16, 4] (without mins: Q4_0's, -8 d), 6 bits likewise with 6 loads a block; signed bytes have no mins;
-// float32 scales hold one per block of 32 or per half block; int8 scales are a K format's factors and steps, per
-// block or per half block (Q2_K, Q3_K, Q6_K), with mins or (signed) without.
+// The bits of q of packed weights: 8 are 4-dimensional [N / 16, K / 4, 16, 4]; the others 5-dimensional [N / 16,
+// K / 32, bits, 16, 4] (`bits` loads of 64 bytes a block).
+int64_t packed_bits(const at::Tensor& packed) { return packed.dim() == 5 ? packed.size(2) : 8; }
+
+// The format of packed weights, from their tensors (see kernels.quant_pack): 4 bits without mins are Q4_0's (-8
+// d); signed bytes have no mins; float32 scales hold one per block of 32 or per half block; int8 scales are a K
+// format's factors and steps, per block (Q4_K, Q5_K) or per half block (Q2_K, Q3_K, Q6_K), with mins or (signed)
+// without.
 FormatId format_of(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins, int64_t blocks) {
-  const int64_t column_blocks = packed.size(0), per_block = column_blocks * blocks * kBlock;
-  const bool four = packed.dim() == 5 && packed.size(2) == 4, six = packed.dim() == 5 && packed.size(2) == 6;
+  const int64_t column_blocks = packed.size(0), per_block = column_blocks * blocks * kBlock, bits = packed_bits(packed);
+  const bool four = bits == 4;
   if (scales.scalar_type() == at::kChar) {
     TORCH_CHECK(blocks % 8 == 0 && (mins.numel() == 0 || mins.scalar_type() == at::kChar),
                 "quant_linear: int8 scales are a K format's (K a multiple of 256; int8 mins or none)");
@@ -362,14 +369,18 @@ FormatId format_of(const at::Tensor& packed, const at::Tensor& scales, const at:
                     (mins.numel() == 0 || mins.numel() == scales.numel()),
                 "quant_linear: a K format's scales and mins must be [N / 16, K / 256, 32 + 16 x groups]");
     const bool mins_stored = mins.numel() != 0;
-    TORCH_CHECK(six ? halves && !mins_stored : four ? halves || mins_stored : !halves && mins_stored,
-                "quant_linear: K factors fit 6 bits signed per 16 inputs, 4 bits with mins per 16 or 32 inputs or "
-                "signed per 16, bytes with mins per 32");
-    if (six) return FormatId::kQ6Super;
-    if (four) return halves ? (mins_stored ? FormatId::kQ4HalfMins : FormatId::kQ4SignedHalves) : FormatId::kQ4Super;
-    return FormatId::kQ8SuperMins;
+    TORCH_CHECK(halves == (bits < 4 || bits == 6) && mins_stored == (bits == 2 || bits == 4 || bits == 8),
+                "quant_linear: K factors fit 2 bits with mins, 3 and 6 bits signed, per 16 inputs; 4 bits and bytes "
+                "with mins per 32");
+    switch (bits) {
+      case 2: return FormatId::kQ2SuperMins;
+      case 3: return FormatId::kQ3Super;
+      case 4: return FormatId::kQ4Super;
+      case 6: return FormatId::kQ6Super;
+      default: return FormatId::kQ8SuperMins;
+    }
   }
-  TORCH_CHECK(!six, "quant_linear: 6 bits take a K format's int8 scales");
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: ", bits, " bits take a K format's int8 scales");
   const bool half = scales.scalar_type() == at::kHalf;
   TORCH_CHECK((half || scales.scalar_type() == at::kFloat) && mins.scalar_type() == scales.scalar_type(),
               "quant_linear: scales and mins must be float16 or float32, alike");
@@ -393,12 +404,12 @@ Operands operands(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
               "quant_linear: x must be bf16 or float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), blocks = K / kGroup;
   TORCH_CHECK(K % kGroup == 0, "quant_linear: K must be a multiple of 32");
+  const int64_t bits = packed_bits(packed);
   TORCH_CHECK(packed.scalar_type() == at::kByte && ((packed.dim() == 5 && packed.size(1) == blocks &&
-                                                      (packed.size(2) == 4 || packed.size(2) == 6)) ||
+                                                      (bits == 2 || bits == 3 || bits == 4 || bits == 6)) ||
                                                      (packed.dim() == 4 && packed.size(1) * 4 == K)),
               "quant_linear: weight not packed for this K");
   const FormatId format = format_of(packed, scales, mins, blocks);
-  const int bits = packed.dim() == 5 ? (packed.size(2) == 6 ? 6 : 4) : 8;
   const int64_t column_blocks = packed.size(0);
   const at::Tensor a = x.contiguous(), w = packed.contiguous(), d = scales.contiguous(), m = mins.contiguous();
   thread_local std::vector<int8_t> xq;

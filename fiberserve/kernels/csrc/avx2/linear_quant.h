@@ -124,17 +124,34 @@ inline void scale_group8(const QuantizedRows& x, int64_t row0, int64_t b, int64_
   }
 }
 
-// As the AVX-512 tile's half_block_q: load j's q of inputs half `part` of a 4- or 6-bit block at w, for the 8
-// outputs of the 32 bytes at w.
+// As the AVX-512 tile's pair_field: the 2 bits at bits 2 * field of each byte, moved to bits kTo and kTo + 1.
+template <int kField, int kTo>
+inline __m256i pair_field8(__m256i pairs) {
+  const __m256i mask = _mm256_set1_epi8(static_cast<char>(3 << kTo));
+  if constexpr (2 * kField <= kTo) return _mm256_and_si256(_mm256_slli_epi16(pairs, kTo - 2 * kField), mask);
+  else return _mm256_and_si256(_mm256_srli_epi16(pairs, 2 * kField - kTo), mask);
+}
+
+inline __m256i load8(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// As the AVX-512 tile's half_block_q: load j's q of inputs half `part` of a 2-, 3-, 4- or 6-bit block at w, for
+// the 8 outputs of the 32 bytes at w.
 template <int kBits, int kPart, int kLoad>
 inline __m256i half_block_q8(const uint8_t* w) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kLoad * 64)), low = _mm256_set1_epi8(0x0F);
-  if constexpr (kBits == 4) return _mm256_and_si256(kPart ? _mm256_srli_epi16(v, 4) : v, low);
-  const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (4 + kLoad / 2) * 64));
-  constexpr int kField = 2 * (kLoad % 2) + kPart;
-  const __m256i moved = kField < 2 ? _mm256_slli_epi16(high, 4 - 2 * kField) : _mm256_srli_epi16(high, 2 * kField - 4);
-  return _mm256_or_si256(_mm256_and_si256(kPart ? _mm256_srli_epi16(v, 4) : v, low),
-                         _mm256_and_si256(moved, _mm256_set1_epi8(0x30)));
+  constexpr int kField = 2 * (kLoad % 2) + kPart;  // in a pair load
+  if constexpr (kBits <= 3) {
+    const __m256i low = pair_field8<kField, 0>(load8(w + (kLoad / 2) * 64));
+    if constexpr (kBits == 2) return low;
+    constexpr int kBit = 2 * kLoad + kPart;  // in the third bits' load
+    const __m256i third = load8(w + 2 * 64), mask = _mm256_set1_epi8(4);
+    if constexpr (kBit <= 2) return _mm256_or_si256(low, _mm256_and_si256(_mm256_slli_epi16(third, 2 - kBit), mask));
+    else return _mm256_or_si256(low, _mm256_and_si256(_mm256_srli_epi16(third, kBit - 2), mask));
+  } else {
+    const __m256i v = load8(w + kLoad * 64), low = _mm256_set1_epi8(0x0F);
+    const __m256i nibbles = _mm256_and_si256(kPart ? _mm256_srli_epi16(v, 4) : v, low);
+    if constexpr (kBits == 4) return nibbles;
+    else return _mm256_or_si256(nibbles, pair_field8<kField, 4>(load8(w + (4 + kLoad / 2) * 64)));
+  }
 }
 
 // The tile's MR rows of half h (8 outputs) of a column block: the float sums, group after group, into

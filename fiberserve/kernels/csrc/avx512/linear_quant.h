@@ -141,23 +141,32 @@ inline void prefetch_ahead(const ColumnBlocks<F>& cols, int64_t offset) {
       _mm_prefetch(reinterpret_cast<const char*>(cols.w + c * cols.w_stride + offset + line + kOneRowAhead), _MM_HINT_T0);
 }
 
-// The 2 high bits of 6-bit q that `high` (one of a block's 2 high-bit loads) holds at bits 2 * field, moved to bits
-// 4 and 5 of each byte (16-bit shifts: no bits cross into those of another byte).
-template <int kField>
-inline __m512i high_bits(__m512i high) {
-  const __m512i mask = _mm512_set1_epi8(0x30);
-  if constexpr (kField < 2) return _mm512_and_si512(_mm512_slli_epi16(high, 4 - 2 * kField), mask);
-  else return _mm512_and_si512(_mm512_srli_epi16(high, 2 * kField - 4), mask);
+// The 2 bits that a pair load (6 bits' high bits, 2 and 3 bits' planes) holds at bits 2 * field of each byte, moved
+// to bits kTo and kTo + 1 (16-bit shifts: no bits cross into those of another byte).
+template <int kField, int kTo>
+inline __m512i pair_field(__m512i pairs) {
+  const __m512i mask = _mm512_set1_epi8(static_cast<char>(3 << kTo));
+  if constexpr (2 * kField <= kTo) return _mm512_and_si512(_mm512_slli_epi16(pairs, kTo - 2 * kField), mask);
+  else return _mm512_and_si512(_mm512_srli_epi16(pairs, 2 * kField - kTo), mask);
 }
 
-// Load j's (of a block's 4) 64 q of half h of a 4- or 6-bit block at w: its nibbles, h's half, and for 6 bits
-// their high bits.
+// Load j's (of a block's 4) 64 q of half h of a 2-, 3-, 4- or 6-bit block at w (quant_pack.cpp's layouts).
 template <int kBits, int kHalf, int kLoad>
 inline __m512i half_block_q(const uint8_t* w) {
-  const __m512i v = _mm512_loadu_si512(w + kLoad * 64), low = _mm512_set1_epi8(0x0F);
-  const __m512i nibbles = _mm512_and_si512(kHalf ? _mm512_srli_epi16(v, 4) : v, low);
-  if constexpr (kBits == 4) return nibbles;
-  else return _mm512_or_si512(nibbles, high_bits<2 * (kLoad % 2) + kHalf>(_mm512_loadu_si512(w + (4 + kLoad / 2) * 64)));
+  constexpr int kField = 2 * (kLoad % 2) + kHalf;  // in a pair load
+  if constexpr (kBits <= 3) {
+    const __m512i low = pair_field<kField, 0>(_mm512_loadu_si512(w + (kLoad / 2) * 64));
+    if constexpr (kBits == 2) return low;
+    constexpr int kBit = 2 * kLoad + kHalf;  // in the third bits' load
+    const __m512i third = _mm512_loadu_si512(w + 2 * 64), mask = _mm512_set1_epi8(4);
+    if constexpr (kBit <= 2) return _mm512_or_si512(low, _mm512_and_si512(_mm512_slli_epi16(third, 2 - kBit), mask));
+    else return _mm512_or_si512(low, _mm512_and_si512(_mm512_srli_epi16(third, kBit - 2), mask));
+  } else {
+    const __m512i v = _mm512_loadu_si512(w + kLoad * 64), low = _mm512_set1_epi8(0x0F);
+    const __m512i nibbles = _mm512_and_si512(kHalf ? _mm512_srli_epi16(v, 4) : v, low);
+    if constexpr (kBits == 4) return nibbles;
+    else return _mm512_or_si512(nibbles, pair_field<kField, 4>(_mm512_loadu_si512(w + (4 + kLoad / 2) * 64)));
+  }
 }
 
 // The integer sums of half h (16 inputs) of block b of a column block walked by halves, its 4 steps.
