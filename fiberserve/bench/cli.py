@@ -206,6 +206,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         P.fiberserve_server(args.port, args.model, [*flags, "--quantization", "none"], label=BF16_LABEL),
         P.fiberserve_server(args.port, args.model, [*flags, "--quantization", "int4"], label=INT4_LABEL),
     ]
+    if not args.bf16:
+        servers = [s for s in servers if s.name != BF16_LABEL]
     missing = []
     llama = P.llama_server(args.port + 1, gguf, peers_dir, slots=top)
     if llama:
@@ -385,6 +387,12 @@ def main(argv: list[str]) -> int:
     compare.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True)
     compare.add_argument(
         "--chat", action=argparse.BooleanOptionalAction, default=True, help="run the chat workload too (see run)"
+    )
+    compare.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fiberserve in bf16 too (--quantization none: two bytes a weight, 16 GB for an 8B model)",
     )
     compare.add_argument("--fiberserve-args", default="", help="extra flags for fiberserve serve (one string)")
     compare.add_argument(
