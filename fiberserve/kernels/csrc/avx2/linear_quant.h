@@ -36,7 +36,7 @@ inline __m256 load_scales8(const float* p) { return _mm256_loadu_ps(p); }
 // Half h (8 outputs) of the scales (or mins) of scale group g of a column block whose first is at p: stored, or a
 // K format's factor times its step, as the AVX-512 tile's group_scales.
 template <typename F>
-inline __m256 group_scales8(const typename F::scale_t* p, int64_t g, int h) {
+[[gnu::always_inline]] inline __m256 group_scales8(const typename F::scale_t* p, int64_t g, int h) {
   if constexpr (F::kSuper) {
     const SuperFactors<F> at(p, g);
     const __m128i steps = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at.steps + 8 * h));
@@ -51,7 +51,7 @@ inline __m256 group_scales8(const typename F::scale_t* p, int64_t g, int h) {
 // to the stack, then added them up: a third of the tile's instructions were stores and reloads).
 inline void in_register(__m256i& v) { __asm__("" : "+x"(v)); }
 
-inline __m256i broadcast4(const int8_t* p) {
+[[gnu::always_inline]] inline __m256i broadcast4(const int8_t* p) {
   int32_t four;
   std::memcpy(&four, p, sizeof four);
   return _mm256_set1_epi32(four);
@@ -110,7 +110,7 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, floa
 // The float sums of scale group g (of block b) from its integer sums, into result: acc += m * sx + sums * (d * dx),
 // for half h of the column block whose scales and mins start at d and m.
 template <int MR, typename F>
-inline void scale_group8(const QuantizedRows& x, int64_t row0, int64_t b, int64_t g, const __m256i (&sums)[MR],
+[[gnu::always_inline]] inline void scale_group8(const QuantizedRows& x, int64_t row0, int64_t b, int64_t g, const __m256i (&sums)[MR],
                          const typename F::scale_t* d, const typename F::scale_t* m, int h, float* result, int64_t ldr) {
   const __m256 dv = group_scales8<F>(d, g, h);
   __m256 mv = _mm256_setzero_ps();
@@ -126,7 +126,7 @@ inline void scale_group8(const QuantizedRows& x, int64_t row0, int64_t b, int64_
 
 // As the AVX-512 tile's pair_field: the 2 bits at bits 2 * field of each byte, moved to bits kTo and kTo + 1.
 template <int kField, int kTo>
-inline __m256i pair_field8(__m256i pairs) {
+[[gnu::always_inline]] inline __m256i pair_field8(__m256i pairs) {
   const __m256i mask = _mm256_set1_epi8(static_cast<char>(3 << kTo));
   if constexpr (2 * kField <= kTo) return _mm256_and_si256(_mm256_slli_epi16(pairs, kTo - 2 * kField), mask);
   else return _mm256_and_si256(_mm256_srli_epi16(pairs, 2 * kField - kTo), mask);
@@ -137,7 +137,7 @@ inline __m256i load8(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_c
 // As the AVX-512 tile's half_block_q: load j's q of inputs half `part` of a 2-, 3-, 4- or 6-bit block at w, for
 // the 8 outputs of the 32 bytes at w.
 template <int kBits, int kPart, int kLoad>
-inline __m256i half_block_q8(const uint8_t* w) {
+[[gnu::always_inline]] inline __m256i half_block_q8(const uint8_t* w) {
   constexpr int kField = 2 * (kLoad % 2) + kPart;  // in a pair load
   if constexpr (kBits <= 3) {
     const __m256i low = pair_field8<kField, 0>(load8(w + (kLoad / 2) * 64));

@@ -25,7 +25,7 @@ inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
 // The 16 scales (or mins) of scale group g of a column block whose first is at p: stored, or a K format's factor
 // times its step (the float32 product is exact).
 template <typename F>
-inline __m512 group_scales(const typename F::scale_t* p, int64_t g) {
+[[gnu::always_inline]] inline __m512 group_scales(const typename F::scale_t* p, int64_t g) {
   if constexpr (F::kSuper) {
     const SuperFactors<F> at(p, g);
     const __m512i steps = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at.steps)));
@@ -79,8 +79,10 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, floa
   });
 }
 
+// The tile's helpers are always inlined: called out of line, the sums and accumulators they take by reference
+// would pass through memory at every call.
 template <int MR, int NR>
-inline void step(const QuantizedRows& x, int64_t row0, int64_t input, const __m512i* wv, __m512i (&sums)[MR][NR]) {
+[[gnu::always_inline]] inline void step(const QuantizedRows& x, int64_t row0, int64_t input, const __m512i* wv, __m512i (&sums)[MR][NR]) {
   for (int r = 0; r < MR; ++r) {
     int32_t four;
     std::memcpy(&four, x.q + (row0 + r) * x.K + input, sizeof four);
@@ -91,7 +93,7 @@ inline void step(const QuantizedRows& x, int64_t row0, int64_t input, const __m5
 
 // sums[0] += every other chain's partial sums.
 template <int kChains, int MR, int NR>
-inline void join_chains(__m512i (&sums)[kChains][MR][NR]) {
+[[gnu::always_inline]] inline void join_chains(__m512i (&sums)[kChains][MR][NR]) {
   for (int k = 1; k < kChains; ++k)
     for (int r = 0; r < MR; ++r)
       for (int c = 0; c < NR; ++c) sums[0][r][c] = _mm512_add_epi32(sums[0][r][c], sums[k][r][c]);
@@ -108,7 +110,7 @@ inline __m512 stored(__m512 y, const float*) { return y; }
 
 // The float sums of scale group g (of block b) from its integer sums: acc += m * sx + sums * (d * dx).
 template <int MR, int NR, typename F>
-inline void scale_group(const QuantizedRows& x, int64_t row0, int64_t b, int64_t g, const __m512i (&sums)[MR][NR],
+[[gnu::always_inline]] inline void scale_group(const QuantizedRows& x, int64_t row0, int64_t b, int64_t g, const __m512i (&sums)[MR][NR],
                         const ColumnBlocks<F>& cols, __m512 (&acc)[MR][NR]) {
   __m512 dv[NR], mv[NR];
   for (int c = 0; c < NR; ++c) {
@@ -144,7 +146,7 @@ inline void prefetch_ahead(const ColumnBlocks<F>& cols, int64_t offset) {
 // The 2 bits that a pair load (6 bits' high bits, 2 and 3 bits' planes) holds at bits 2 * field of each byte, moved
 // to bits kTo and kTo + 1 (16-bit shifts: no bits cross into those of another byte).
 template <int kField, int kTo>
-inline __m512i pair_field(__m512i pairs) {
+[[gnu::always_inline]] inline __m512i pair_field(__m512i pairs) {
   const __m512i mask = _mm512_set1_epi8(static_cast<char>(3 << kTo));
   if constexpr (2 * kField <= kTo) return _mm512_and_si512(_mm512_slli_epi16(pairs, kTo - 2 * kField), mask);
   else return _mm512_and_si512(_mm512_srli_epi16(pairs, 2 * kField - kTo), mask);
@@ -152,7 +154,7 @@ inline __m512i pair_field(__m512i pairs) {
 
 // Load j's (of a block's 4) 64 q of half h of a 2-, 3-, 4- or 6-bit block at w (quant_pack.cpp's layouts).
 template <int kBits, int kHalf, int kLoad>
-inline __m512i half_block_q(const uint8_t* w) {
+[[gnu::always_inline]] inline __m512i half_block_q(const uint8_t* w) {
   constexpr int kField = 2 * (kLoad % 2) + kHalf;  // in a pair load
   if constexpr (kBits <= 3) {
     const __m512i low = pair_field<kField, 0>(_mm512_loadu_si512(w + (kLoad / 2) * 64));
@@ -171,7 +173,7 @@ inline __m512i half_block_q(const uint8_t* w) {
 
 // The integer sums of half h (16 inputs) of block b of a column block walked by halves, its 4 steps.
 template <int kHalf, int MR, int NR, int kChains, typename F>
-inline void half_block_sums(const QuantizedRows& x, int64_t row0, int64_t b, const ColumnBlocks<F>& cols,
+[[gnu::always_inline]] inline void half_block_sums(const QuantizedRows& x, int64_t row0, int64_t b, const ColumnBlocks<F>& cols,
                             __m512i (&sums)[kChains][MR][NR]) {
   const int64_t input = b * kGroup + 16 * kHalf;
   const auto load = [&](auto j) {
