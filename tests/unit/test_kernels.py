@@ -1,6 +1,8 @@
 """The C++ CPU kernels against plain PyTorch, and their batch invariance (bit-identical rows)."""
 
 import dataclasses
+import functools
+import operator
 import os
 import subprocess
 import sys
@@ -396,7 +398,7 @@ def packed_by_definition(q: torch.Tensor, bits: int) -> torch.Tensor:
         if bits == 3:  # the third bit of load j's half h at bit 2j + h
             third = (steps >> 2) & 1
             bits_of = [third[:, :, half, j] << (2 * j + half) for j in range(4) for half in (0, 1)]
-            packed = torch.cat([packed, sum(bits_of[1:], bits_of[0])[:, :, None]], 2)
+            packed = torch.cat([packed, functools.reduce(operator.or_, bits_of)[:, :, None]], 2)
         return packed.contiguous()
     packed = (steps[:, :, 0] & 0x0F) | ((steps[:, :, 1] & 0x0F) << 4)
     if bits == 6:  # each high-bit load: the 2 high bits of loads 2i, 2i + 1, low half then high

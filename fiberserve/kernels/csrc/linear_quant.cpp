@@ -358,8 +358,8 @@ int64_t packed_bits(const at::Tensor& packed) { return packed.dim() == 5 ? packe
 // format's factors and steps, per block (Q4_K, Q5_K) or per half block (Q2_K, Q3_K, Q6_K), with mins or (signed)
 // without.
 FormatId format_of(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins, int64_t blocks) {
-  const int64_t column_blocks = packed.size(0), per_block = column_blocks * blocks * kBlock, bits = packed_bits(packed);
-  const bool four = bits == 4;
+  const int64_t column_blocks = packed.size(0), per_block = column_blocks * blocks * kBlock;
+  const int64_t bits = packed_bits(packed);
   if (scales.scalar_type() == at::kChar) {
     TORCH_CHECK(blocks % 8 == 0 && (mins.numel() == 0 || mins.scalar_type() == at::kChar),
                 "quant_linear: int8 scales are a K format's (K a multiple of 256; int8 mins or none)");
@@ -385,7 +385,7 @@ FormatId format_of(const at::Tensor& packed, const at::Tensor& scales, const at:
   TORCH_CHECK((half || scales.scalar_type() == at::kFloat) && mins.scalar_type() == scales.scalar_type(),
               "quant_linear: scales and mins must be float16 or float32, alike");
   TORCH_CHECK(mins.numel() == 0 || mins.numel() == scales.numel(), "quant_linear: mins must match the scales");
-  if (four) {
+  if (bits == 4) {
     TORCH_CHECK(scales.numel() == per_block && (mins.numel() == per_block || (half && mins.numel() == 0)),
                 "quant_linear: 4 bits need scales and mins [N / 16, K / 32, 16] (float16 scales alone: Q4_0)");
     return mins.numel() == 0 ? FormatId::kQ4Zero8 : half ? FormatId::kQ4 : FormatId::kQ4Wide;

@@ -9,9 +9,9 @@ namespace fiberserve {
 // Bytes of one column block (16 outputs by K inputs) of the packed layout for q of `bits` bits.
 inline int64_t packed_column_block_bytes(int64_t K, int64_t bits) { return K * 16 * bits / 8; }
 
-// The low 2 bits of the q of load 2i + pair's steps, for a 2- or 3-bit layout's plane loads and 6 bits' high-bit
-// loads alike: byte p of load i holds, at bits 2 (2 pair + half), `field` of q for input 16 half + 4 (2i + pair) +
-// p % 4 of the block (the 4 x 2 steps of a 64-byte load).
+// Two loads of 2-bit fields of q (a 2- or 3-bit layout's low 2 bits, 6 bits' high 2 bits): byte p of load i holds,
+// at bits 2 (2 pair + half), `field` of q for input 16 half + 4 (2i + pair) + p % 4 of the block (the 4 x 2 steps
+// of a 64-byte load).
 template <typename Field>
 inline void pack_pairs(const uint8_t* block, int64_t o, const Field& field, uint8_t* dst) {
   for (int load = 0; load < 2; ++load)

@@ -110,8 +110,9 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, floa
 // The float sums of scale group g (of block b) from its integer sums, into result: acc += m * sx + sums * (d * dx),
 // for half h of the column block whose scales and mins start at d and m.
 template <int MR, typename F>
-[[gnu::always_inline]] inline void scale_group8(const QuantizedRows& x, int64_t row0, int64_t b, int64_t g, const __m256i (&sums)[MR],
-                         const typename F::scale_t* d, const typename F::scale_t* m, int h, float* result, int64_t ldr) {
+[[gnu::always_inline]] inline void scale_group8(const QuantizedRows& x, int64_t row0, int64_t b, int64_t g,
+                                                const __m256i (&sums)[MR], const typename F::scale_t* d,
+                                                const typename F::scale_t* m, int h, float* result, int64_t ldr) {
   const __m256 dv = group_scales8<F>(d, g, h);
   __m256 mv = _mm256_setzero_ps();
   if constexpr (F::kStoredMins) mv = group_scales8<F>(m, g, h);

@@ -82,7 +82,8 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, floa
 // The tile's helpers are always inlined: called out of line, the sums and accumulators they take by reference
 // would pass through memory at every call.
 template <int MR, int NR>
-[[gnu::always_inline]] inline void step(const QuantizedRows& x, int64_t row0, int64_t input, const __m512i* wv, __m512i (&sums)[MR][NR]) {
+[[gnu::always_inline]] inline void step(const QuantizedRows& x, int64_t row0, int64_t input, const __m512i* wv,
+                                        __m512i (&sums)[MR][NR]) {
   for (int r = 0; r < MR; ++r) {
     int32_t four;
     std::memcpy(&four, x.q + (row0 + r) * x.K + input, sizeof four);
@@ -110,8 +111,9 @@ inline __m512 stored(__m512 y, const float*) { return y; }
 
 // The float sums of scale group g (of block b) from its integer sums: acc += m * sx + sums * (d * dx).
 template <int MR, int NR, typename F>
-[[gnu::always_inline]] inline void scale_group(const QuantizedRows& x, int64_t row0, int64_t b, int64_t g, const __m512i (&sums)[MR][NR],
-                        const ColumnBlocks<F>& cols, __m512 (&acc)[MR][NR]) {
+[[gnu::always_inline]] inline void scale_group(const QuantizedRows& x, int64_t row0, int64_t b, int64_t g,
+                                               const __m512i (&sums)[MR][NR], const ColumnBlocks<F>& cols,
+                                               __m512 (&acc)[MR][NR]) {
   __m512 dv[NR], mv[NR];
   for (int c = 0; c < NR; ++c) {
     dv[c] = group_scales<F>(cols.d + c * cols.dm_stride, g);
@@ -173,8 +175,8 @@ template <int kBits, int kHalf, int kLoad>
 
 // The integer sums of half h (16 inputs) of block b of a column block walked by halves, its 4 steps.
 template <int kHalf, int MR, int NR, int kChains, typename F>
-[[gnu::always_inline]] inline void half_block_sums(const QuantizedRows& x, int64_t row0, int64_t b, const ColumnBlocks<F>& cols,
-                            __m512i (&sums)[kChains][MR][NR]) {
+[[gnu::always_inline]] inline void half_block_sums(const QuantizedRows& x, int64_t row0, int64_t b,
+                                                   const ColumnBlocks<F>& cols, __m512i (&sums)[kChains][MR][NR]) {
   const int64_t input = b * kGroup + 16 * kHalf;
   const auto load = [&](auto j) {
     __m512i wv[NR];
