@@ -97,6 +97,7 @@ ISA_MACROS = {
     "__AVX512BF16__": "avx512_bf16",
     "__AVX512VNNI__": "avx512_vnni",
     "__AMX_BF16__": "amx_bf16",
+    "__AMX_INT8__": "amx_int8",
 }
 
 

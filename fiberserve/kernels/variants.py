@@ -70,9 +70,9 @@ AVX2 = Variant("avx2", ("-march=x86-64-v3",), _X86_64_V3, _AVX2_PATHS)
 AVX512 = Variant("avx512", ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"), _X86_64_V3 | _AVX512, _AVX512_PATHS)
 AMX = Variant(
     "amx",
-    (*AVX512.target_flags, "-mamx-tile", "-mamx-bf16"),
-    AVX512.cpu_flags | {"amx_tile", "amx_bf16"},
-    _AVX512_PATHS | {"amx_bf16"},
+    (*AVX512.target_flags, "-mamx-tile", "-mamx-bf16", "-mamx-int8"),
+    AVX512.cpu_flags | {"amx_tile", "amx_bf16", "amx_int8"},
+    _AVX512_PATHS | {"amx_bf16", "amx_int8"},
 )
 #: The variants built at install, best first.
 PREBUILT = (AMX, AVX512, AVX2)

@@ -425,21 +425,23 @@ def exact_weights(blocks: QuantBlocks) -> torch.Tensor:
 @pytest.mark.parametrize("kind", QUANT_FORMATS)
 def test_quant_linear_is_exact_block_arithmetic_and_rows_are_exact_at_any_count(kind):
     """The result is the float64 product of the dequantized weights and the int8-quantized rows, up to
-    float32 rounding; a row gets the same bits in one row tile, in several, in the last, partial one, and alone
-    (where a thread's tile takes several column groups at once: 21 column blocks, the last group partial)."""
+    float32 rounding; a row gets the same bits in one row tile, in several, in the last, partial one, in a
+    16-row tile (AMX's, where it runs) or beside one, and alone (where a thread's tile takes several column groups
+    at once: 21 column blocks, the last group partial)."""
     torch.manual_seed(5)
     n, k = 336, 1536
     blocks = random_blocks(n, k, kind)
     bias = torch.randn(n)
-    x = torch.randn(13, k).bfloat16()
+    x = torch.randn(37, k).bfloat16()
     x[3, 64:96] = 0  # an all-zero block quantizes to zeros
     packed = kernels.quant_pack(blocks)
     wide = kernels.quant_linear(x, *packed, bias, torch.float32)
     expected = quantized_rows(x) @ exact_weights(blocks).t() + bias.double()
     torch.testing.assert_close(wide.double(), expected, atol=2e-5 * expected.abs().max().item(), rtol=0)
-    for rows in range(1, 13):
+    for rows in range(1, 37):
         assert torch.equal(kernels.quant_linear(x[:rows], *packed, bias, torch.float32), wide[:rows])
     assert torch.equal(kernels.quant_linear(x[7:8], *packed, bias, torch.float32)[0], wide[7])
+    assert torch.equal(kernels.quant_linear(x[20:], *packed, bias, torch.float32), wide[20:])
     narrow = kernels.quant_linear(x, *packed, bias, torch.bfloat16)
     assert narrow.dtype == torch.bfloat16 and torch.equal(narrow, wide.bfloat16())
     assert torch.equal(

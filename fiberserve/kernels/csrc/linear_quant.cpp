@@ -77,6 +77,7 @@ constexpr int kGroup = 32;   // inputs per quantization block
 constexpr int kSteps = 8;    // 4-input steps per quantization block
 constexpr int64_t kCols = 2;  // column blocks per tile: 32 output features
 constexpr int kRows = 6;     // rows per tile: 6 x 2 int32 sums + 6 x 2 float sums
+constexpr int kAmxRows = 16;  // rows per AMX tile (amx/linear_quant.h)
 #if FIBERSERVE_QUANT_TILES == 512
 constexpr int64_t kOneRowGroups = 2;  // column groups a one-row tile takes at once: 4 column blocks, 4 streams
 #else
@@ -199,6 +200,7 @@ struct ColumnBlocks {
 
 #if FIBERSERVE_QUANT_TILES == 512
 #include "avx512/linear_quant.h"
+#include "amx/linear_quant.h"
 #elif FIBERSERVE_QUANT_TILES == 256
 #include "avx2/linear_quant.h"
 #endif
@@ -208,16 +210,67 @@ namespace fiberserve {
 #if defined(FIBERSERVE_QUANT_TILES)
 namespace {
 
+// Whether a product of M rows runs its whole kAmxRows-row tiles on AMX (amx/linear_quant.h).
+inline bool amx_tiles_run(int64_t M) {
+#if defined(FIBERSERVE_AMX_INT8)
+  return amx_int8_runs(M);
+#else
+  (void)M;
+  return false;
+#endif
+}
+
+// How many times M rows' tiles of format F over K inputs step a prefetch cursor: once per pair of scale groups of
+// an AMX tile (kAmxRows rows, where they run), then once per full vector tile of kRows rows.
+template <typename F>
+inline int64_t prefetch_steps(int64_t M, int64_t K) {
+  const int64_t amx_tiles = amx_tiles_run(M) ? M / kAmxRows : 0;
+#if defined(FIBERSERVE_AMX_INT8)
+  const int64_t amx_steps = amx_tiles * amx_pairs<F>(K);
+#else
+  const int64_t amx_steps = 0;
+  (void)K;
+#endif
+  return amx_steps + (M - amx_tiles * kAmxRows) / kRows;
+}
+
+// Rows [0, M) as row tiles: tile(std::integral_constant<int, height>{}, first_row) for each, kAmxRows-row tiles on
+// AMX first where they run, then tiles of at most kRows rows, and after_full() after each full one of those.
+template <typename Tile, typename AfterFull>
+void for_each_quant_row_tile(int64_t M, const Tile& tile, const AfterFull& after_full) {
+  int64_t r = 0;
+  if (amx_tiles_run(M))
+    for (; r + kAmxRows <= M; r += kAmxRows) tile(std::integral_constant<int, kAmxRows>{}, r);
+  for_each_row_tile<kRows>(r, M, tile, after_full);
+}
+
+// MR rows from row0 against NR column blocks: on AMX for a kAmxRows-row tile (which calls between() as it goes),
+// else on the vector units.  (Groups of more than kCols column blocks serve a single row: for_each_group.)
+template <int MR, int NR, typename F, bool kGated, typename out_t, typename Between>
+void row_tile(const QuantizedRows& x, int64_t row0, const ColumnBlocks<F>& cols, const float* bias, out_t* out,
+              int64_t ldo, const GatedAdd& add, const Between& between) {
+  static_assert(MR <= kRows || MR == kAmxRows, "row tiles are the vector tiles' or AMX's");
+#if defined(FIBERSERVE_AMX_INT8)
+  if constexpr (MR == kAmxRows && NR <= kCols)
+    amx_tile<NR, F, kGated, out_t>(x, row0, cols, bias, out, ldo, add, between);
+#else
+  (void)between;
+#endif
+  if constexpr (MR <= kRows) tile<MR, NR, F, kGated, out_t>(x, row0, cols, bias, out, ldo, add);
+}
+
 // All rows against NR column blocks, a row tile at a time (`add`: a gated product's additions, gated_add.h).
 template <int NR, typename F, bool kGated, typename out_t>
 void column_group(const QuantizedRows& x, int64_t M, const ColumnBlocks<F>& cols, const float* bias, out_t* out,
                   int64_t ldo, PrefetchCursor& prefetch, PrefetchCursor& next_group, const GatedAdd& add) {
-  for_each_row_tile<kRows>(
-      0, M,
+  const auto step = [&] { prefetch.step(), next_group.step(); };
+  for_each_quant_row_tile(
+      M,
       [&](auto height, int64_t r) {
-        tile<decltype(height)::value, NR, F, kGated, out_t>(x, r, cols, bias, out + r * ldo, ldo, add.at(r, 0));
+        row_tile<decltype(height)::value, NR, F, kGated, out_t>(x, r, cols, bias, out + r * ldo, ldo, add.at(r, 0),
+                                                                 step);
       },
-      [&] { prefetch.step(), next_group.step(); });
+      step);
 }
 
 // The packed weights of a product: every column block's weights, scales and mins, in one format.
@@ -248,18 +301,21 @@ struct Weights {
   // thread's share has them, else (and for more rows) one.  Each thread pulls its next step's groups into cache
   // during the current one's row tiles, and its share of `plan` over all its row tiles (a single row has no full
   // row tile: it prefetches in its tile, see prefetch_ahead).
-  template <typename Body>
-  void for_each_group(int64_t M, const PrefetchPlan* plan, const Body& body) const {
-    const int64_t per_step = M == 1 ? kOneRowGroups : 1;
+  template <typename F, typename Body>
+  void for_each_group(int64_t M, int64_t K, const PrefetchPlan* plan, const Body& body) const {
+    const int64_t per_step = M == 1 ? kOneRowGroups : 1, steps = prefetch_steps<F>(M, K);
     at::parallel_for(0, groups(), 1, [&](int64_t begin, int64_t end) {
-      PrefetchCursor prefetch = PrefetchCursor::thread_share(plan, (end - begin) * (M / kRows));
+#if defined(FIBERSERVE_AMX_INT8)
+      const AmxInt8Scope<F> scope(amx_tiles_run(M));
+#endif
+      PrefetchCursor prefetch = PrefetchCursor::thread_share(plan, (end - begin) * steps);
       for (int64_t g = begin, n; g < end; g += n) {
         n = g + per_step <= end && count(g, per_step) == per_step * kCols ? per_step : 1;
         const int64_t next = (g + n) * kCols, next_count = g + n == end ? 0 : count(g + n, std::min(n, end - g - n));
         const ByteRange ahead[3] = {{reinterpret_cast<const char*>(packed + next * stride), next_count * stride},
                                     {d + next * dm_bytes, next_count * dm_bytes},
                                     {m + next * dm_bytes, next_count * dm_bytes}};
-        PrefetchCursor next_group(ahead, ahead + (next_count == 0 ? 0 : m ? 3 : 2), M / kRows);
+        PrefetchCursor next_group(ahead, ahead + (next_count == 0 ? 0 : m ? 3 : 2), steps);
         body(g, n, prefetch, next_group);
       }
     });
@@ -272,7 +328,7 @@ void product(const QuantizedRows& x, int64_t M, const Weights& weights, const fl
   const int64_t N = (kGated ? weights.column_blocks / 2 : weights.column_blocks) * kBlock;
   with_format(weights.format, [&](auto format) {
     using F = decltype(format);
-    weights.for_each_group(M, plan, [&](int64_t g, int64_t n, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
+    weights.template for_each_group<F>(M, x.K, plan, [&](int64_t g, int64_t n, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
       const int64_t first = g * kCols, blocks = weights.count(g, n);
       const ColumnBlocks<F> cols = weights.at<F>(first);
       const float* bg = bias ? bias + first * kBlock : nullptr;
@@ -295,18 +351,19 @@ void product(const QuantizedRows& x, int64_t M, const Weights& weights, const fl
 template <int NR, typename F>
 void column_group_candidates(const QuantizedRows& x, int64_t M, const ColumnBlocks<F>& cols, int64_t first_output,
                              RowCandidates* lists, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
-  float buffer[kRows * NR * kBlock];
+  float buffer[kAmxRows * NR * kBlock];
   constexpr int64_t ldo = NR * kBlock;
-  for_each_row_tile<kRows>(
-      0, M,
+  const auto step = [&] { prefetch.step(), next_group.step(); };
+  for_each_quant_row_tile(
+      M,
       [&](auto height, int64_t r) {
         constexpr int kHeight = decltype(height)::value;
-        tile<kHeight, NR, F, false, float>(x, r, cols, nullptr, buffer, ldo);
+        row_tile<kHeight, NR, F, false, float>(x, r, cols, nullptr, buffer, ldo, {}, step);
         for (int i = 0; i < kHeight; ++i)
           for (int c = 0; c < NR; ++c)
             lists[r + i].offer16(load16(buffer + i * ldo + c * kBlock), first_output + c * kBlock);
       },
-      [&] { prefetch.step(), next_group.step(); });
+      step);
 }
 
 void product_candidates(const QuantizedRows& x, int64_t M, const Weights& weights, Candidates& out) {
@@ -314,7 +371,7 @@ void product_candidates(const QuantizedRows& x, int64_t M, const Weights& weight
   std::vector<RowCandidates> lists = out.lists(threads, M);
   with_format(weights.format, [&](auto format) {
     using F = decltype(format);
-    weights.for_each_group(M, nullptr, [&](int64_t g, int64_t n, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
+    weights.template for_each_group<F>(M, x.K, nullptr, [&](int64_t g, int64_t n, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
       RowCandidates* mine = lists.data() + at::get_thread_num() * M;
       const ColumnBlocks<F> cols = weights.at<F>(g * kCols);
       const int64_t first = g * kCols * kBlock, blocks = weights.count(g, n);

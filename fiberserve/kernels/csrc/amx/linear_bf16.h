@@ -6,9 +6,8 @@
 // So, as with vdpbf16ps, a row's arithmetic does not depend on the rows around it, and every row of a process
 // takes the same path (AMX for every row count, never a mix), which keeps the rows batch invariant.
 //
-// Linux hands out the tile registers per process on request (arch_prctl ARCH_REQ_XCOMP_PERM, the same request
-// oneDNN makes); amx_ready() makes it once and says whether it was granted.  A thread's tile configuration is its
-// own: each parallel chunk loads it (amx_configure) and releases the tiles when done (amx_release).
+// A thread's tile configuration is its own: each parallel chunk loads it (amx_configure) and releases the tiles
+// when done (amx_release, amx/tiles.h).
 
 #pragma once
 
@@ -16,11 +15,11 @@
 #define FIBERSERVE_AMX 1
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <cstdint>
 #include <cstring>
+
+#include "amx/tiles.h"
 
 namespace fiberserve::amx {
 
@@ -29,25 +28,7 @@ constexpr int kPairs = 16;  // k-pairs per step: 32 bf16 of each row, 64 bytes
 constexpr int kBlock = 16;  // outputs per C tile
 constexpr int kCols = 4;   // C tiles: tmm0..tmm3; x in tmm4; weights in tmm5..tmm7
 
-inline bool request_permission() {
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-inline bool amx_ready() {
-  static const bool granted = request_permission();
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows x 64 bytes.  (GCC's _tile_loadconfig tells the compiler it reads 8 bytes of the
-// configuration, so one built on the stack may be stored after the load, and the load faults.  Hence a constant.)
+// Every tile 16 rows x 64 bytes.
 inline void amx_configure() {
   static const TileConfig config = [] {
     TileConfig c;
@@ -56,8 +37,6 @@ inline void amx_configure() {
   }();
   _tile_loadconfig(&config);
 }
-
-inline void amx_release() { _tile_release(); }
 
 // C[16, 16 * count] = x[16, K] . W^T for `count` (1..4) consecutive packed blocks, into `sums` (row stride 64
 // floats).  x: 16 rows of K bf16 with row stride ldx (elements); w: the first block; K a multiple of 32.

@@ -190,6 +190,28 @@ template <int kHalf, int MR, int NR, int kChains, typename F>
   load(std::integral_constant<int, 3>{});
 }
 
+// A tile's float sums, finished: the bias added, then stored, or for a gated tile silu(gate) * up (see tile).
+template <int MR, int NR, bool kGated, typename out_t>
+[[gnu::always_inline]] inline void finish_tile(__m512 (&acc)[MR][NR], const float* bias, out_t* out, int64_t ldo,
+                                               const GatedAdd& add) {
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) {
+      if (bias) acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_loadu_ps(bias + c * kBlock));
+      if constexpr (!kGated) store(out + r * ldo + c * kBlock, acc[r][c]);
+    }
+  if constexpr (kGated) {
+    static_assert(NR % 2 == 0, "a gated tile is gate blocks, each beside its up block");
+    for (int r = 0; r < MR; ++r)
+      for (int p = 0; p < NR / 2; ++p) {
+        const f32x16 gate = (f32x16)acc[r][2 * p], up = (f32x16)acc[r][2 * p + 1];
+        store16(out + r * ldo + p * kBlock,
+                add.adds(r) ? silu_times(gate + load16(add.gate + r * add.ld + p * kBlock),
+                                         up + load16(add.up + r * add.ld + p * kBlock))
+                            : silu_times((f32x16)stored(acc[r][2 * p], out), (f32x16)stored(acc[r][2 * p + 1], out)));
+      }
+  }
+}
+
 // MR rows x NR column blocks of weights in format F.
 // kGated (NR even): blocks 2p hold gate outputs and blocks 2p + 1 the matching up outputs (see GateUp in
 // linear.py); the tile writes silu(gate) * up, NR / 2 blocks, each input rounded to out_t first as a separate
@@ -260,22 +282,7 @@ template <int MR, int NR, typename F, bool kGated, typename out_t>
       }
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c) {
-      if (bias) acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_loadu_ps(bias + c * kBlock));
-      if constexpr (!kGated) store(out + r * ldo + c * kBlock, acc[r][c]);
-    }
-  if constexpr (kGated) {
-    static_assert(NR % 2 == 0, "a gated tile is gate blocks, each beside its up block");
-    for (int r = 0; r < MR; ++r)
-      for (int p = 0; p < NR / 2; ++p) {
-        const f32x16 gate = (f32x16)acc[r][2 * p], up = (f32x16)acc[r][2 * p + 1];
-        store16(out + r * ldo + p * kBlock,
-                add.adds(r) ? silu_times(gate + load16(add.gate + r * add.ld + p * kBlock),
-                                         up + load16(add.up + r * add.ld + p * kBlock))
-                            : silu_times((f32x16)stored(acc[r][2 * p], out), (f32x16)stored(acc[r][2 * p + 1], out)));
-      }
-  }
+  finish_tile<MR, NR, kGated>(acc, bias, out, ldo, add);
 }
 
 }  // namespace
