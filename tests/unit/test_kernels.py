@@ -555,16 +555,17 @@ def test_refine_top_logits_rescores_the_top_k_as_float64_dot_products(weight_dty
 @pytest.mark.parametrize("kind", QUANT_FORMATS)
 def test_quant_linear_race_keeps_top_k_rows_of_the_product_bit_for_bit(kind):
     """The top k kept as the tiles go equal top_k_rows of the written product: values, indices and the order of
-    ties (outputs 5 and 300 have the same weights, so every row ties them, 5 first, across the threads' ranges)."""
+    ties (outputs 5 and 300 have the same weights, so every row ties them, 5 first, across the threads' ranges);
+    in vector tiles and in 16-row tiles (AMX's, where it runs)."""
     torch.manual_seed(11)
     n, k_in = 400, 768
     blocks = random_blocks(n, k_in, kind)
     blocks = blocks.map_rows(lambda t: torch.cat([t[:300], t[5:6], t[301:]]))
-    x = torch.randn(13, k_in).bfloat16()
+    x = torch.randn(21, k_in).bfloat16()
     x[4] = x[4].abs()  # rows where the tied outputs rank high are likelier with the weights below
     blocks.q[5] = blocks.q[300] = 2**blocks.bits - 1
     packed = kernels.quant_pack(blocks)
-    for rows in (1, 6, 13):
+    for rows in (1, 6, 13, 21):
         product = kernels.quant_linear(x[:rows], *packed, None, torch.float32)
         for k in (1, 17, 64):
             values, indices = greedy_candidates(kernels.quant_linear_race, x[:rows], *packed, k=k)

@@ -220,13 +220,13 @@ inline bool amx_tiles_run(int64_t M) {
 #endif
 }
 
-// How many times M rows' tiles of format F over K inputs step a prefetch cursor: once per pair of scale groups of
-// an AMX tile (kAmxRows rows, where they run), then once per full vector tile of kRows rows.
+// How many times M rows' tiles of format F over K inputs step a prefetch cursor: amx_steps per AMX tile (kAmxRows
+// rows, where they run), then once per full vector tile of kRows rows.
 template <typename F>
 inline int64_t prefetch_steps(int64_t M, int64_t K) {
   const int64_t amx_tiles = amx_tiles_run(M) ? M / kAmxRows : 0;
 #if defined(FIBERSERVE_AMX_INT8)
-  const int64_t amx_steps = amx_tiles * amx_pairs<F>(K);
+  const int64_t amx_steps = amx_tiles * ::fiberserve::amx_steps<F>(K);
 #else
   const int64_t amx_steps = 0;
   (void)K;

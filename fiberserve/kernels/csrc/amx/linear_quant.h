@@ -29,21 +29,24 @@ namespace {
 // Whether a product of M rows runs its 16-row tiles on AMX: built with them, granted by the OS, and a tile's rows.
 inline bool amx_int8_runs(int64_t M) { return M >= kAmxRows && amx::amx_ready(); }
 
-// The pairs of scale groups an AMX tile of format F walks over K inputs: the calls of its between().
+// The prefetch steps an AMX tile of format F over K inputs takes (calls of its between()): one per scale group of
+// each of its kCols column blocks.
 template <typename F>
-inline int64_t amx_pairs(int64_t K) {
-  return (K / F::kScaleGroup + 1) / 2;
+inline int64_t amx_steps(int64_t K) {
+  return kCols * (K / F::kScaleGroup);
 }
 
-// C tiles (16 rows of 16 int32) in tmm0..tmm3; A (16 rows x kK bytes) in tmm4 and tmm5; B (kK / 4 lines of 64
-// bytes) in tmm6 and tmm7.
+// C tiles (16 rows of 16 int32) in tmm0 and tmm1; A (16 rows x kK bytes) in tmm2 and tmm3; B (kK / 4 lines of 64
+// bytes) in tmm4 and tmm5: a scale group's three in tmm(p), tmm(2 + p), tmm(4 + p), p alternating.
 template <int kK>
 void amx_int8_configure() {
   static const amx::TileConfig config = [] {
     amx::TileConfig c;
-    for (int t = 0; t < 4; ++t) c.bytes_per_row[t] = 64, c.rows[t] = kAmxRows;
-    for (int t = 4; t < 6; ++t) c.bytes_per_row[t] = kK, c.rows[t] = kAmxRows;
-    for (int t = 6; t < 8; ++t) c.bytes_per_row[t] = 64, c.rows[t] = kK / 4;
+    for (int p = 0; p < 2; ++p) {
+      c.bytes_per_row[p] = 64, c.rows[p] = kAmxRows;
+      c.bytes_per_row[2 + p] = kK, c.rows[2 + p] = kAmxRows;
+      c.bytes_per_row[4 + p] = 64, c.rows[4 + p] = kK / 4;
+    }
     return c;
   }();
   _tile_loadconfig(&config);
@@ -94,87 +97,88 @@ template <typename F>
   }
 }
 
-// The tile products of a pair of scale groups (the second where `two`) for NR (1 or 2) column blocks: group i's A
-// tile in tmm4 + i, column block c's B tile in tmm6 + c, the sums of (group i, column block c) in C tile tmm(2 i +
-// c).  Tile instructions name their registers in the instruction, hence one line per tile.
-template <int NR>
-[[gnu::always_inline]] inline void pair_products(const int8_t* a, int64_t lda, int64_t a_step,
-                                                 const uint8_t* const (&b)[2][2], bool two) {
-  _tile_loadd(4, a, lda);
-  _tile_loadd(6, b[0][0], 64);
+// A scale group's tile product into C tile p (0 or 1), and its sums stored: tile instructions name their registers
+// in the instruction, hence a function per C tile.
+[[gnu::always_inline]] inline void group_product(std::integral_constant<int, 0>, const int8_t* a, int64_t lda,
+                                                 const uint8_t* b) {
+  _tile_loadd(2, a, lda);
+  _tile_loadd(4, b, 64);
   _tile_zero(0);
-  _tile_dpbsud(0, 4, 6);
-  if constexpr (NR == 2) {
-    _tile_loadd(7, b[0][1], 64);
-    _tile_zero(1);
-    _tile_dpbsud(1, 4, 7);
-  }
-  if (!two) return;
-  _tile_loadd(5, a + a_step, lda);
-  _tile_loadd(6, b[1][0], 64);
-  _tile_zero(2);
-  _tile_dpbsud(2, 5, 6);
-  if constexpr (NR == 2) {
-    _tile_loadd(7, b[1][1], 64);
-    _tile_zero(3);
-    _tile_dpbsud(3, 5, 7);
-  }
+  _tile_dpbsud(0, 2, 4);
 }
 
-// The C tiles of pair_products, stored: (group i, column block c) at sums[i][c], 16 rows of 16 int32.
-template <int NR>
-[[gnu::always_inline]] inline void store_pair_sums(int32_t (&sums)[2][2][kAmxRows * kBlock], bool two) {
-  constexpr int64_t kStride = kBlock * sizeof(int32_t);
-  _tile_stored(0, sums[0][0], kStride);
-  if constexpr (NR == 2) _tile_stored(1, sums[0][1], kStride);
-  if (!two) return;
-  _tile_stored(2, sums[1][0], kStride);
-  if constexpr (NR == 2) _tile_stored(3, sums[1][1], kStride);
+[[gnu::always_inline]] inline void group_product(std::integral_constant<int, 1>, const int8_t* a, int64_t lda,
+                                                 const uint8_t* b) {
+  _tile_loadd(3, a, lda);
+  _tile_loadd(5, b, 64);
+  _tile_zero(1);
+  _tile_dpbsud(1, 3, 5);
 }
 
-// The vector tile's contract (tile in avx512/linear_quant.h) for 16 rows, on AMX.  The scale groups go in pairs:
-// a pair's sums are stored, the next pair's tile products issued, and the stored sums scaled on the vector units
-// while the tile unit computes; a pair's weights are unpacked two pairs ahead, so its tile loads find them in cache.
-// between() runs after each pair (amx_pairs of them): a few lines of the prefetches the caller spreads over the
-// tile, where the vector tiles issue theirs after each tile.
+[[gnu::always_inline]] inline void store_sums(std::integral_constant<int, 0>, int32_t* sums) {
+  _tile_stored(0, sums, kBlock * sizeof(int32_t));
+}
+
+[[gnu::always_inline]] inline void store_sums(std::integral_constant<int, 1>, int32_t* sums) {
+  _tile_stored(1, sums, kBlock * sizeof(int32_t));
+}
+
+// acc[r] += rows row0..row0+15 of x times one column block, every scale group in order.  Group g + 1's tile
+// product is issued before group g's sums are stored and scaled, so the tile unit computes while the vector units
+// scale; a group's weights are unpacked a group ahead of its tile loads.  between() after every group.
+template <typename F, typename Between>
+[[gnu::always_inline]] inline void amx_column_block(const QuantizedRows& x, int64_t row0, const ColumnBlocks<F>& col,
+                                                    __m512 (&acc)[kAmxRows][1], const Between& between) {
+  constexpr int kK = F::kScaleGroup;
+  const int64_t groups = x.K / kK;
+  alignas(64) uint8_t unpacked[2][kK * kBlock];
+  alignas(64) int32_t sums_out[kAmxRows * kBlock];
+  const int8_t* a = x.q + row0 * x.K;
+  const uint8_t* b[2] = {};
+  const auto issue = [&](auto p, int64_t g) { group_product(p, a + g * kK, x.K, b[decltype(p)::value]); };
+  const auto scale = [&](auto p, int64_t g) {
+    store_sums(p, sums_out);
+    __m512i sums[kAmxRows][1];
+    for (int r = 0; r < kAmxRows; ++r) {  // signed formats' sums start at -zero * sum(xq), as on vpdpbusd
+      const int32_t start = F::kMins ? 0 : x.offset_of<kK>(row0 + r, g) / (128 / F::kZero);
+      sums[r][0] = _mm512_add_epi32(_mm512_load_si512(sums_out + r * kBlock), _mm512_set1_epi32(start));
+    }
+    scale_group<kAmxRows, 1, F>(x, row0, g / F::kScalesPerBlock, g, sums, col, acc);
+    between();
+  };
+  // Group g's three steps, p = g % 2: its product issued, the weights of g + 2 unpacked, g's sums scaled.
+  const auto group = [&](auto p, int64_t g) {
+    constexpr int kNext = 1 - decltype(p)::value;
+    if (g + 1 < groups) issue(std::integral_constant<int, kNext>{}, g + 1);
+    if (g + 2 < groups) b[decltype(p)::value] = group_weights<F>(col.w, g + 2, unpacked[decltype(p)::value]);
+    scale(p, g);
+  };
+  constexpr std::integral_constant<int, 0> kEven;
+  constexpr std::integral_constant<int, 1> kOdd;
+  b[0] = group_weights<F>(col.w, 0, unpacked[0]);
+  issue(kEven, 0);
+  if (groups > 1) b[1] = group_weights<F>(col.w, 1, unpacked[1]);
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    group(kEven, g);
+    group(kOdd, g + 1);
+  }
+  if (g < groups) group(kEven, g);
+}
+
+// The vector tile's contract (tile in avx512/linear_quant.h) for 16 rows, on AMX: a column block at a time, its
+// float sums in registers.
 template <int NR, typename F, bool kGated, typename out_t, typename Between>
 [[gnu::noinline]] void amx_tile(const QuantizedRows& x, int64_t row0, const ColumnBlocks<F>& cols, const float* bias,
                                 out_t* out, int64_t ldo, const GatedAdd& add, const Between& between) {
-  static_assert(NR == 1 || NR == 2, "AMX tiles take one or two column blocks");
-  constexpr int kK = F::kScaleGroup;
-  const int64_t groups = x.K / kK;
-  alignas(64) uint8_t unpacked[2][2][2][kK * kBlock];  // [pair parity][group of the pair][column block]
-  alignas(64) int32_t sums_out[2][2][kAmxRows * kBlock];  // [group of the pair][column block]
-  const int8_t* a = x.q + row0 * x.K;
-  const auto weights = [&](int64_t g, int parity, const uint8_t* (&b)[2][2]) {  // pair from g's B tiles
-    for (int i = 0; i < 2 && g + i < groups; ++i)
-      for (int c = 0; c < NR; ++c)
-        b[i][c] = group_weights<F>(cols.w + c * cols.w_stride, g + i, unpacked[parity][i][c]);
-  };
   __m512 acc[kAmxRows][NR];
-  for (int r = 0; r < kAmxRows; ++r)
-    for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
-  const auto scale = [&](int64_t g, int i) {  // group g's sums, the pair's i-th, scaled into acc
-    __m512i sums[kAmxRows][NR];
-    for (int r = 0; r < kAmxRows; ++r) {  // signed formats' sums start at -zero * sum(xq), as on vpdpbusd
-      const __m512i start = _mm512_set1_epi32(F::kMins ? 0 : x.offset_of<kK>(row0 + r, g) / (128 / F::kZero));
-      for (int c = 0; c < NR; ++c)
-        sums[r][c] = _mm512_add_epi32(_mm512_load_si512(sums_out[i][c] + r * kBlock), start);
-    }
-    scale_group<kAmxRows, NR, F>(x, row0, g / F::kScalesPerBlock, g, sums, cols, acc);
-  };
-  const uint8_t* b[2][2][2] = {};  // [pair parity] B tiles
-  const auto issue = [&](int64_t g) { pair_products<NR>(a + g * kK, x.K, kK, b[g / 2 % 2], g + 1 < groups); };
-  weights(0, 0, b[0]);
-  issue(0);
-  if (groups > 2) weights(2, 1, b[1]);
-  for (int64_t g = 0; g < groups; g += 2) {
-    store_pair_sums<NR>(sums_out, g + 1 < groups);
-    if (g + 2 < groups) issue(g + 2);
-    if (g + 4 < groups) weights(g + 4, g / 2 % 2, b[g / 2 % 2]);  // the pair whose tile loads are done
-    scale(g, 0);
-    if (g + 1 < groups) scale(g + 1, 1);
-    between();
+  for (int c = 0; c < NR; ++c) {
+    __m512 column[kAmxRows][1];
+    for (int r = 0; r < kAmxRows; ++r) column[r][0] = _mm512_setzero_ps();
+    const ColumnBlocks<F> col{cols.w + c * cols.w_stride, cols.d + c * cols.dm_stride,
+                              cols.m ? cols.m + c * cols.dm_stride : nullptr, cols.w_stride, cols.dm_stride};
+    amx_column_block<F>(x, row0, col, column, between);
+    for (int r = 0; r < kAmxRows; ++r) acc[r][c] = column[r][0];
   }
   finish_tile<kAmxRows, NR, kGated>(acc, bias, out, ldo, add);
 }
