@@ -60,7 +60,8 @@ def test_a_forced_variant_is_taken_only_where_the_cpu_has_its_instructions():
     assert variants.chosen_variant(ZEN4, forced="avx2") is variants.AVX2
     assert variants.chosen_variant(ZEN4, forced="") is variants.AVX512
     assert variants.chosen_variant(ZEN4, forced="native").cpu_flags == ZEN4
-    with pytest.raises(variants.VariantError, match=r"=amx: this CPU lacks amx_bf16, amx_int8, amx_tile;.* runs avx512"):
+    lacks_amx = r"=amx: this CPU lacks amx_bf16, amx_int8, amx_tile;.* runs avx512"
+    with pytest.raises(variants.VariantError, match=lacks_amx):
         variants.chosen_variant(ZEN4, forced="amx")
     with pytest.raises(variants.VariantError, match=r"=avx512: this CPU lacks avx512_bf16, avx512_vnni"):
         variants.chosen_variant(ZEN4 - {"avx512_bf16", "avx512_vnni"}, forced="avx512")
