@@ -44,6 +44,10 @@
 // Batch invariance: a row is quantized on its own, and each output is accumulated group by group in order in its
 // own lane, so a row gets the same bits alone, in any batch, at any row count.
 //
+// Where the build targets AMX-INT8 and Linux grants the tiles, a product in a format with a scale per 32 inputs runs
+// its whole 16-row tiles on AMX (amx/linear_quant.h: tdpbsud for the integer sums of a scale group, then the vector
+// tile's scaling, so the same bits) and the rows left over on the vector tiles.
+//
 // Compiled where the compiler targets AVX512-VNNI, or AVX2 (avx2/linear_quant.h); quant_gemm_available() says whether it was.
 
 #include <ATen/ATen.h>
@@ -210,10 +214,11 @@ namespace fiberserve {
 #if defined(FIBERSERVE_QUANT_TILES)
 namespace {
 
-// Whether a product of M rows runs its whole kAmxRows-row tiles on AMX (amx/linear_quant.h).
+// Whether a product of M rows in format F runs its whole kAmxRows-row tiles on AMX (amx/linear_quant.h).
+template <typename F>
 inline bool amx_tiles_run(int64_t M) {
 #if defined(FIBERSERVE_AMX_INT8)
-  return amx_int8_runs(M);
+  return amx_int8_runs<F>(M);
 #else
   (void)M;
   return false;
@@ -224,7 +229,7 @@ inline bool amx_tiles_run(int64_t M) {
 // rows, where they run), then once per full vector tile of kRows rows.
 template <typename F>
 inline int64_t prefetch_steps(int64_t M, int64_t K) {
-  const int64_t amx_tiles = amx_tiles_run(M) ? M / kAmxRows : 0;
+  const int64_t amx_tiles = amx_tiles_run<F>(M) ? M / kAmxRows : 0;
 #if defined(FIBERSERVE_AMX_INT8)
   const int64_t amx_steps = amx_tiles * ::fiberserve::amx_steps<F>(K);
 #else
@@ -236,10 +241,10 @@ inline int64_t prefetch_steps(int64_t M, int64_t K) {
 
 // Rows [0, M) as row tiles: tile(std::integral_constant<int, height>{}, first_row) for each, kAmxRows-row tiles on
 // AMX first where they run, then tiles of at most kRows rows, and after_full() after each full one of those.
-template <typename Tile, typename AfterFull>
+template <typename F, typename Tile, typename AfterFull>
 void for_each_quant_row_tile(int64_t M, const Tile& tile, const AfterFull& after_full) {
   int64_t r = 0;
-  if (amx_tiles_run(M))
+  if (amx_tiles_run<F>(M))
     for (; r + kAmxRows <= M; r += kAmxRows) tile(std::integral_constant<int, kAmxRows>{}, r);
   for_each_row_tile<kRows>(r, M, tile, after_full);
 }
@@ -251,7 +256,7 @@ void row_tile(const QuantizedRows& x, int64_t row0, const ColumnBlocks<F>& cols,
               int64_t ldo, const GatedAdd& add, const Between& between) {
   static_assert(MR <= kRows || MR == kAmxRows, "row tiles are the vector tiles' or AMX's");
 #if defined(FIBERSERVE_AMX_INT8)
-  if constexpr (MR == kAmxRows && NR <= kCols)
+  if constexpr (MR == kAmxRows && NR <= kCols && kOnAmx<F>)
     amx_tile<NR, F, kGated, out_t>(x, row0, cols, bias, out, ldo, add, between);
 #else
   (void)between;
@@ -264,7 +269,7 @@ template <int NR, typename F, bool kGated, typename out_t>
 void column_group(const QuantizedRows& x, int64_t M, const ColumnBlocks<F>& cols, const float* bias, out_t* out,
                   int64_t ldo, PrefetchCursor& prefetch, PrefetchCursor& next_group, const GatedAdd& add) {
   const auto step = [&] { prefetch.step(), next_group.step(); };
-  for_each_quant_row_tile(
+  for_each_quant_row_tile<F>(
       M,
       [&](auto height, int64_t r) {
         row_tile<decltype(height)::value, NR, F, kGated, out_t>(x, r, cols, bias, out + r * ldo, ldo, add.at(r, 0),
@@ -306,7 +311,7 @@ struct Weights {
     const int64_t per_step = M == 1 ? kOneRowGroups : 1, steps = prefetch_steps<F>(M, K);
     at::parallel_for(0, groups(), 1, [&](int64_t begin, int64_t end) {
 #if defined(FIBERSERVE_AMX_INT8)
-      const AmxInt8Scope<F> scope(amx_tiles_run(M));
+      const AmxInt8Scope<F> scope(amx_tiles_run<F>(M));
 #endif
       PrefetchCursor prefetch = PrefetchCursor::thread_share(plan, (end - begin) * steps);
       for (int64_t g = begin, n; g < end; g += n) {
@@ -354,7 +359,7 @@ void column_group_candidates(const QuantizedRows& x, int64_t M, const ColumnBloc
   float buffer[kAmxRows * NR * kBlock];
   constexpr int64_t ldo = NR * kBlock;
   const auto step = [&] { prefetch.step(), next_group.step(); };
-  for_each_quant_row_tile(
+  for_each_quant_row_tile<F>(
       M,
       [&](auto height, int64_t r) {
         constexpr int kHeight = decltype(height)::value;

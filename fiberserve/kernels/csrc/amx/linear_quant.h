@@ -1,14 +1,14 @@
 // linear_quant.cpp's 16-row tiles on AMX's int8 tile unit: tdpbsud multiplies signed activation bytes by
-// unsigned weight bytes into int32, 16 rows x 16 output features x one scale group (32 or 16 inputs) a product.
+// unsigned weight bytes into int32, 16 rows x 16 output features x one scale group of 32 inputs a product.
 //
 // A scale group's integer sums are exact on either unit, and this tile scales them into float32 with the vector
 // tile's own scale_group (avx512/linear_quant.h), group after group in order: a row gets the same bits here as on
 // the vpdpbusd tiles, so a product runs its whole 16-row tiles here and the rows left over there, and rows stay
 // batch invariant.
 //
-// A B tile is kK / 4 lines of 16 outputs x 4 inputs, the packed layout's 64-byte steps (linear_quant.cpp): the
-// 8-bit layout's are read in place, the 2-, 3-, 4- and 6-bit layouts' unpacked into bytes first, as the vector
-// tile unpacks them in registers.  Two C tiles alternate, so one group's tile product runs while the previous
+// A B tile is 8 lines of 16 outputs x 4 inputs, the packed layout's 64-byte steps (linear_quant.cpp): the 8-bit
+// layout's are read in place, the 4-bit layout's unpacked into bytes first, as the vector tile unpacks them in
+// registers.  Two C tiles alternate, so one group's tile product runs while the previous
 // group's sums are scaled on the vector units.
 
 #pragma once
@@ -26,8 +26,18 @@
 namespace fiberserve {
 namespace {
 
-// Whether a product of M rows runs its 16-row tiles on AMX: built with them, granted by the OS, and a tile's rows.
-inline bool amx_int8_runs(int64_t M) { return M >= kAmxRows && amx::amx_ready(); }
+// Whether format F runs on these tiles: those with a scale per 32 inputs.  A scale per 16 (Q6_K, Q3_K, Q2_K) halves
+// each tile product's work but not the tile unit's loads and stores per product, and those formats run slower here
+// than on the vector tiles from 32 rows on (docs/performance.md).
+template <typename F>
+constexpr bool kOnAmx = F::kScaleGroup == kGroup;
+
+// Whether a product of M rows in format F runs its 16-row tiles on AMX: a format these tiles take, a tile's rows,
+// and the tiles granted by the OS.
+template <typename F>
+inline bool amx_int8_runs(int64_t M) {
+  return kOnAmx<F> && M >= kAmxRows && amx::amx_ready();
+}
 
 // The prefetch steps an AMX tile of format F over K inputs takes (calls of its between()): one per scale group of
 // each of its kCols column blocks.
@@ -36,16 +46,15 @@ inline int64_t amx_steps(int64_t K) {
   return kCols * (K / F::kScaleGroup);
 }
 
-// C tiles (16 rows of 16 int32) in tmm0 and tmm1; A (16 rows x kK bytes) in tmm2 and tmm3; B (kK / 4 lines of 64
-// bytes) in tmm4 and tmm5: a scale group's three in tmm(p), tmm(2 + p), tmm(4 + p), p alternating.
-template <int kK>
-void amx_int8_configure() {
+// C tiles (16 rows of 16 int32) in tmm0 and tmm1; A (16 rows x 32 bytes) in tmm2 and tmm3; B (8 lines of 64 bytes)
+// in tmm4 and tmm5: a scale group's three in tmm(p), tmm(2 + p), tmm(4 + p), p alternating.
+inline void amx_int8_configure() {
   static const amx::TileConfig config = [] {
     amx::TileConfig c;
     for (int p = 0; p < 2; ++p) {
       c.bytes_per_row[p] = 64, c.rows[p] = kAmxRows;
-      c.bytes_per_row[2 + p] = kK, c.rows[2 + p] = kAmxRows;
-      c.bytes_per_row[4 + p] = 64, c.rows[4 + p] = kK / 4;
+      c.bytes_per_row[2 + p] = kGroup, c.rows[2 + p] = kAmxRows;
+      c.bytes_per_row[4 + p] = 64, c.rows[4 + p] = kGroup / 4;
     }
     return c;
   }();
@@ -57,7 +66,7 @@ template <typename F>
 class AmxInt8Scope {
  public:
   explicit AmxInt8Scope(bool runs) : runs_(runs) {
-    if (runs) amx_int8_configure<F::kScaleGroup>();
+    if (runs) amx_int8_configure();
   }
   ~AmxInt8Scope() {
     if (runs_) amx::amx_release();
@@ -72,20 +81,9 @@ class AmxInt8Scope {
 // The B tile of scale group g of a column block's weights w: in place (bytes), or unpacked into `bytes`.
 template <typename F>
 [[gnu::always_inline]] inline const uint8_t* group_weights(const uint8_t* w, int64_t g, uint8_t* bytes) {
+  static_assert(kOnAmx<F>, "a scale per 32 inputs");
   if constexpr (F::kBits == 8) {
     return w + g * F::kScaleGroup / 4 * 64;
-  } else if constexpr (F::kHalves) {
-    const uint8_t* block = w + g / 2 * F::kBlockBytes;
-    const auto unpack = [&](auto h) {
-      constexpr int kHalf = decltype(h)::value;
-      _mm512_store_si512(bytes, half_block_q<F::kBits, kHalf, 0>(block));
-      _mm512_store_si512(bytes + 64, half_block_q<F::kBits, kHalf, 1>(block));
-      _mm512_store_si512(bytes + 128, half_block_q<F::kBits, kHalf, 2>(block));
-      _mm512_store_si512(bytes + 192, half_block_q<F::kBits, kHalf, 3>(block));
-    };
-    if (g % 2) unpack(std::integral_constant<int, 1>{});
-    else unpack(std::integral_constant<int, 0>{});
-    return bytes;
   } else {  // 4 bits, a scale per block: the low nibbles hold inputs 0..15, the high ones 16..31
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int j = 0; j < 4; ++j) {
@@ -129,7 +127,7 @@ template <typename F>
 template <typename F, typename Between>
 [[gnu::always_inline]] inline void amx_column_block(const QuantizedRows& x, int64_t row0, const ColumnBlocks<F>& col,
                                                     __m512 (&acc)[kAmxRows][1], const Between& between) {
-  constexpr int kK = F::kScaleGroup;
+  constexpr int kK = kGroup;
   const int64_t groups = x.K / kK;
   alignas(64) uint8_t unpacked[2][kK * kBlock];
   alignas(64) int32_t sums_out[kAmxRows * kBlock];
