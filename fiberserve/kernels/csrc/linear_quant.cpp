@@ -230,13 +230,13 @@ inline bool amx_tiles_run(int64_t M) {
 template <typename F>
 inline int64_t prefetch_steps(int64_t M, int64_t K) {
   const int64_t amx_tiles = amx_tiles_run<F>(M) ? M / kAmxRows : 0;
+  int64_t steps = (M - amx_tiles * kAmxRows) / kRows;
 #if defined(FIBERSERVE_AMX_INT8)
-  const int64_t amx_steps = amx_tiles * ::fiberserve::amx_steps<F>(K);
+  steps += amx_tiles * amx_steps(K);
 #else
-  const int64_t amx_steps = 0;
   (void)K;
 #endif
-  return amx_steps + (M - amx_tiles * kAmxRows) / kRows;
+  return steps;
 }
 
 // Rows [0, M) as row tiles: tile(std::integral_constant<int, height>{}, first_row) for each, kAmxRows-row tiles on
@@ -311,7 +311,7 @@ struct Weights {
     const int64_t per_step = M == 1 ? kOneRowGroups : 1, steps = prefetch_steps<F>(M, K);
     at::parallel_for(0, groups(), 1, [&](int64_t begin, int64_t end) {
 #if defined(FIBERSERVE_AMX_INT8)
-      const AmxInt8Scope<F> scope(amx_tiles_run<F>(M));
+      const AmxInt8Scope scope(amx_tiles_run<F>(M));
 #endif
       PrefetchCursor prefetch = PrefetchCursor::thread_share(plan, (end - begin) * steps);
       for (int64_t g = begin, n; g < end; g += n) {

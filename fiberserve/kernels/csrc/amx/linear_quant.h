@@ -8,8 +8,8 @@
 //
 // A B tile is 8 lines of 16 outputs x 4 inputs, the packed layout's 64-byte steps (linear_quant.cpp): the 8-bit
 // layout's are read in place, the 4-bit layout's unpacked into bytes first, as the vector tile unpacks them in
-// registers.  Two C tiles alternate, so one group's tile product runs while the previous
-// group's sums are scaled on the vector units.
+// registers.  Two C tiles alternate, so one group's tile product runs while the previous group's sums are scaled
+// on the vector units.
 
 #pragma once
 
@@ -39,12 +39,9 @@ inline bool amx_int8_runs(int64_t M) {
   return kOnAmx<F> && M >= kAmxRows && amx::amx_ready();
 }
 
-// The prefetch steps an AMX tile of format F over K inputs takes (calls of its between()): one per scale group of
-// each of its kCols column blocks.
-template <typename F>
-inline int64_t amx_steps(int64_t K) {
-  return kCols * (K / F::kScaleGroup);
-}
+// The prefetch steps an AMX tile over K inputs takes (calls of its between()): one per scale group of each of its
+// kCols column blocks.
+inline int64_t amx_steps(int64_t K) { return kCols * (K / kGroup); }
 
 // C tiles (16 rows of 16 int32) in tmm0 and tmm1; A (16 rows x 32 bytes) in tmm2 and tmm3; B (8 lines of 64 bytes)
 // in tmm4 and tmm5: a scale group's three in tmm(p), tmm(2 + p), tmm(4 + p), p alternating.
@@ -61,8 +58,7 @@ inline void amx_int8_configure() {
   _tile_loadconfig(&config);
 }
 
-// What a thread's share of a product in format F holds while it runs: the tile configuration, where AMX runs.
-template <typename F>
+// What a thread's share of a product holds while it runs: the tile configuration, where AMX runs.
 class AmxInt8Scope {
  public:
   explicit AmxInt8Scope(bool runs) : runs_(runs) {
@@ -83,7 +79,7 @@ template <typename F>
 [[gnu::always_inline]] inline const uint8_t* group_weights(const uint8_t* w, int64_t g, uint8_t* bytes) {
   static_assert(kOnAmx<F>, "a scale per 32 inputs");
   if constexpr (F::kBits == 8) {
-    return w + g * F::kScaleGroup / 4 * 64;
+    return w + g * (kGroup / 4) * 64;
   } else {  // 4 bits, a scale per block: the low nibbles hold inputs 0..15, the high ones 16..31
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int j = 0; j < 4; ++j) {
@@ -127,18 +123,17 @@ template <typename F>
 template <typename F, typename Between>
 [[gnu::always_inline]] inline void amx_column_block(const QuantizedRows& x, int64_t row0, const ColumnBlocks<F>& col,
                                                     __m512 (&acc)[kAmxRows][1], const Between& between) {
-  constexpr int kK = kGroup;
-  const int64_t groups = x.K / kK;
-  alignas(64) uint8_t unpacked[2][kK * kBlock];
+  const int64_t groups = x.K / kGroup;
+  alignas(64) uint8_t unpacked[2][kGroup * kBlock];
   alignas(64) int32_t sums_out[kAmxRows * kBlock];
   const int8_t* a = x.q + row0 * x.K;
   const uint8_t* b[2] = {};
-  const auto issue = [&](auto p, int64_t g) { group_product(p, a + g * kK, x.K, b[decltype(p)::value]); };
+  const auto issue = [&](auto p, int64_t g) { group_product(p, a + g * kGroup, x.K, b[decltype(p)::value]); };
   const auto scale = [&](auto p, int64_t g) {
     store_sums(p, sums_out);
     __m512i sums[kAmxRows][1];
     for (int r = 0; r < kAmxRows; ++r) {  // signed formats' sums start at -zero * sum(xq), as on vpdpbusd
-      const int32_t start = F::kMins ? 0 : x.offset_of<kK>(row0 + r, g) / (128 / F::kZero);
+      const int32_t start = F::kMins ? 0 : x.offset_of<kGroup>(row0 + r, g) / (128 / F::kZero);
       sums[r][0] = _mm512_add_epi32(_mm512_load_si512(sums_out + r * kBlock), _mm512_set1_epi32(start));
     }
     scale_group<kAmxRows, 1, F>(x, row0, g / F::kScalesPerBlock, g, sums, col, acc);
