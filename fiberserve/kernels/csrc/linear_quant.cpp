@@ -333,7 +333,7 @@ void product(const QuantizedRows& x, int64_t M, const Weights& weights, const fl
   const int64_t N = (kGated ? weights.column_blocks / 2 : weights.column_blocks) * kBlock;
   with_format(weights.format, [&](auto format) {
     using F = decltype(format);
-    weights.template for_each_group<F>(M, x.K, plan, [&](int64_t g, int64_t n, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
+    const auto group = [&](int64_t g, int64_t n, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
       const int64_t first = g * kCols, blocks = weights.count(g, n);
       const ColumnBlocks<F> cols = weights.at<F>(first);
       const float* bg = bias ? bias + first * kBlock : nullptr;
@@ -344,7 +344,8 @@ void product(const QuantizedRows& x, int64_t M, const Weights& weights, const fl
         column_group<kOneRowGroups * kCols, F, kGated>(x, M, cols, bg, o, N, prefetch, next_group, a);
       else if (kGated || blocks == kCols) column_group<kCols, F, kGated>(x, M, cols, bg, o, N, prefetch, next_group, a);
       else if constexpr (!kGated) column_group<1, F, false>(x, M, cols, bg, o, N, prefetch, next_group, a);
-    });
+    };
+    weights.template for_each_group<F>(M, x.K, plan, group);
   });
 }
 
@@ -376,7 +377,7 @@ void product_candidates(const QuantizedRows& x, int64_t M, const Weights& weight
   std::vector<RowCandidates> lists = out.lists(threads, M);
   with_format(weights.format, [&](auto format) {
     using F = decltype(format);
-    weights.template for_each_group<F>(M, x.K, nullptr, [&](int64_t g, int64_t n, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
+    const auto group = [&](int64_t g, int64_t n, PrefetchCursor& prefetch, PrefetchCursor& next_group) {
       RowCandidates* mine = lists.data() + at::get_thread_num() * M;
       const ColumnBlocks<F> cols = weights.at<F>(g * kCols);
       const int64_t first = g * kCols * kBlock, blocks = weights.count(g, n);
@@ -384,7 +385,8 @@ void product_candidates(const QuantizedRows& x, int64_t M, const Weights& weight
         column_group_candidates<kOneRowGroups * kCols, F>(x, M, cols, first, mine, prefetch, next_group);
       else if (blocks == kCols) column_group_candidates<kCols, F>(x, M, cols, first, mine, prefetch, next_group);
       else column_group_candidates<1, F>(x, M, cols, first, mine, prefetch, next_group);
-    });
+    };
+    weights.template for_each_group<F>(M, x.K, nullptr, group);
   });
   // The threads took the groups in order (thread t a range below thread t + 1's).
   out.merge(lists, M);
