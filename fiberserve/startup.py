@@ -27,20 +27,36 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
 
 
-def load_in_background(config: EngineConfig) -> Future[LlmService]:
-    """:meth:`.LlmService.load` of ``config`` begun on a daemon thread; the future holds the service or the
-    load's exception."""
-    loaded: Future[LlmService] = Future()
+class BackgroundLoad:
+    """:meth:`.LlmService.load` of a config running on a daemon thread: ``future`` holds the service or the
+    load's exception.  The thread must end before the interpreter does (killed at exit inside a kernel, it would
+    abort the process), so a server that exits while it loads calls :meth:`stop`."""
 
-    def load() -> None:
-        if not loaded.set_running_or_notify_cancel():
-            return
+    def __init__(self, config: EngineConfig) -> None:
+        self.future: Future[LlmService] = Future()
+        self._stop = threading.Event()
+        threading.Thread(target=self._load, args=(config,), name="fiberserve-load", daemon=True).start()
+
+    def _load(self, config: EngineConfig) -> None:
+        self.future.set_running_or_notify_cancel()
         try:
             from fiberserve.engine import LlmService
 
-            loaded.set_result(LlmService.load(config))
+            self.future.set_result(LlmService.load(config, self._stop))
         except BaseException as exc:  # the server reports it; nothing is raised on this thread
-            loaded.set_exception(exc)
+            self.future.set_exception(exc)
 
-    threading.Thread(target=load, name="fiberserve-load", daemon=True).start()
-    return loaded
+    async def stop(self) -> None:
+        """Ask the load to stop at its next layer and wait until its thread has ended (a service it finished
+        meanwhile is dropped: it never started)."""
+        import asyncio
+        import contextlib
+
+        self._stop.set()
+        with contextlib.suppress(Exception):  # LoadStopped, or the load's own error: the server exits either way
+            await asyncio.wrap_future(self.future)
+
+
+def load_in_background(config: EngineConfig) -> BackgroundLoad:
+    """The load of ``config``, begun on its own thread."""
+    return BackgroundLoad(config)

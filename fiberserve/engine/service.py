@@ -22,6 +22,7 @@ import itertools
 import logging
 import os
 import random
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -50,7 +51,7 @@ from fiberserve.model.block_formats import NATIVE_BITS
 from fiberserve.model.config import ModelConfig
 from fiberserve.model.kv_format import kv_format
 from fiberserve.model.llama import LlamaModel
-from fiberserve.model.loader import Checkpoint, load_checkpoint
+from fiberserve.model.loader import Checkpoint, LoadStopped, load_checkpoint
 from fiberserve.model.tokenizer import Tokenizer, load_tokenizer, read_chat_template, tokenizer_cache
 from fiberserve.runtime import FiberPool, InvocationTimeout, Isolation, Program
 from fiberserve.runtime.allocator import keep_freed_buffers, return_freed_buffers, trim_freed_memory
@@ -333,8 +334,9 @@ class LlmService:
         self._trim_timer: asyncio.TimerHandle | None = None
 
     @classmethod
-    def load(cls, config: EngineConfig) -> LlmService:
-        """Load weights and tokenizer (seconds for the default model); fetch the default if needed."""
+    def load(cls, config: EngineConfig, stop: threading.Event | None = None) -> LlmService:
+        """Load weights and tokenizer (seconds for the default model); fetch the default if needed.  Once ``stop``
+        is set, the load raises :class:`.LoadStopped` at its next layer (or after the weights)."""
         path = config.model or str(default_model_path(config.cache_dir, progress=config.progress))
         template = None if config.chat_template is None else read_chat_template(config.chat_template)
         return_freed_buffers()  # the load's temporaries leave nothing resident; serving keeps its buffers
@@ -345,7 +347,9 @@ class LlmService:
             quantization = resolve_quantization(config.quantization, checkpoint, config.device)
             # The tokenizer and the grammar compiler's view of it are read on another core while the weights load.
             text = side.submit(_load_text_side, path, config.cache_dir, checkpoint.config)
-            model = LlamaModel(checkpoint, dtype, config.device, quantization, progress=config.progress)
+            model = LlamaModel(checkpoint, dtype, config.device, quantization, progress=config.progress, stop=stop)
+            if stop is not None and stop.is_set():
+                raise LoadStopped("stopped after the weights")
             if config.mlock:
                 locked = lock_in_memory(tensor_storages(model))
                 log.info("--mlock: %.0f MiB of weights locked in memory", locked / 2**20)

@@ -39,6 +39,7 @@ head (:class:`.OutputHead`: logits, or each row's pick).
 from __future__ import annotations
 
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -59,7 +60,7 @@ from fiberserve.model.linear import (
     make_linear,
     quant_kernel_available,
 )
-from fiberserve.model.loader import Checkpoint, LazyWeights
+from fiberserve.model.loader import Checkpoint, LazyWeights, LoadStopped
 from fiberserve.model.lora import LoraRows
 from fiberserve.model.rope_tables import RopeTables
 
@@ -122,6 +123,7 @@ class LlamaModel:
         device="cpu",
         quantization: str = "none",
         progress: bool = False,
+        stop: threading.Event | None = None,
     ) -> None:
         """``quantization="int4"``: every matrix a GGUF file stores in a format served as is (``NATIVE_BITS``) in
         the file's own blocks; the others in Q4_1 blocks, the output head in Q8_0 (4-bit where the CPU has neither
@@ -129,7 +131,8 @@ class LlamaModel:
         :class:`.QuantLinear`; CPU only); norms stay in ``dtype``, the embedding's and the head's rows are read in
         ``dtype`` from the file's blocks as lookups ask for them (:class:`.FileRows`; whole in ``dtype`` where the
         file stores them otherwise), and the top candidates the head picks are re-scored exactly from those
-        ``dtype`` rows (:class:`.OutputHead`)."""
+        ``dtype`` rows (:class:`.OutputHead`).  Once ``stop`` is set, no layer begins to load and the constructor
+        raises :class:`.LoadStopped` when those under way end."""
         if quantization != "none" and torch.device(device).type != "cpu":
             raise ValueError(f"quantization {quantization!r} runs on CPU only")
         config = checkpoint.config
@@ -161,10 +164,13 @@ class LlamaModel:
         # run without the GIL, and only those layers' temporaries exist at once.
         with ThreadPoolExecutor(LAYERS_AT_ONCE, thread_name_prefix="fiberserve-load") as pool:
             head_linear = pool.submit(head)  # beside the first layers
-            built = pool.map(
-                lambda i: LayerWeights(w, i, config, dtype, self.device, quantization, self.fused),
-                range(config.num_layers),
-            )
+
+            def build(i: int) -> LayerWeights:
+                if stop is not None and stop.is_set():
+                    raise LoadStopped(f"stopped before layer {i} of {config.num_layers}")
+                return LayerWeights(w, i, config, dtype, self.device, quantization, self.fused)
+
+            built = pool.map(build, range(config.num_layers))
             self.layers = list(
                 tqdm(built, total=config.num_layers, desc="loading layers", unit="layer", disable=not progress)
             )

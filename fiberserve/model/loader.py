@@ -102,6 +102,10 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         return len(self._readers)
 
 
+class LoadStopped(Exception):
+    """A load asked to stop (the server was told to exit while it loaded) that stopped before its end."""
+
+
 @dataclass
 class Checkpoint:
     config: ModelConfig

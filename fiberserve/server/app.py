@@ -6,7 +6,6 @@ import asyncio
 import gc
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -38,7 +37,7 @@ from fiberserve.server.errors import (
 from fiberserve.server.metrics import Metrics
 from fiberserve.server.middleware import WEBUI_PATH, GuardMiddleware
 from fiberserve.server.state import ServerState
-from fiberserve.startup import configure_logging, load_in_background
+from fiberserve.startup import BackgroundLoad, configure_logging, load_in_background
 
 log = logging.getLogger("fiberserve.server")
 
@@ -50,7 +49,7 @@ def create_app(
     config: ServerConfig,
     service: LlmService | None = None,
     on_load_failure: Callable[[], None] | None = None,
-    loading: Future[LlmService] | None = None,
+    loading: BackgroundLoad | None = None,
 ) -> FastAPI:
     """The app; loads the model in the background unless ``service`` is given, or takes it from ``loading`` (a
     load begun earlier, :func:`.startup.load_in_background`); ``/health`` says 503 meanwhile.  A load that fails
@@ -106,11 +105,17 @@ async def _load(
     state: ServerState,
     service: LlmService | None,
     on_failure: Callable[[], None] | None,
-    loading: Future[LlmService] | None,
+    loading: BackgroundLoad | None,
 ) -> None:
     try:
         if service is None:
-            service = await asyncio.wrap_future(loading or load_in_background(state.config.engine))
+            loading = loading or load_in_background(state.config.engine)
+            try:
+                service = await asyncio.wrap_future(loading.future)
+            except asyncio.CancelledError:
+                await loading.stop()
+                log.info("stopped the model's load: the server is exiting")
+                raise
         await service.start()
     except asyncio.CancelledError:
         raise
@@ -139,7 +144,7 @@ async def _load(
     )
 
 
-def run_server(config: ServerConfig, loading: Future[LlmService] | None = None) -> int:
+def run_server(config: ServerConfig, loading: BackgroundLoad | None = None) -> int:
     """Serve until SIGINT/SIGTERM; in-flight requests get ``shutdown_timeout`` seconds to finish; returns 0.  A
     model that fails to load stops the server at once and returns 1 (unless ``stay_up_on_load_failure``).
     ``loading``: the model's load, begun before this module was imported (else it begins here)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -59,6 +60,16 @@ class ServerProcess:
                 pass
             time.sleep(0.05)
         raise TimeoutError(f"server not ready:\n{self.log_path.read_text()[-3000:]}")
+
+    def wait_loading(self, timeout: float = 180) -> ServerProcess:
+        """Until ``/health`` says 503: the server is up and its model still loading."""
+        deadline = time.monotonic() + timeout
+        while not self.saw_503 and time.monotonic() < deadline:
+            with contextlib.suppress(httpx.TransportError):
+                self.saw_503 = httpx.get(self.url + "/health", timeout=2).status_code == 503
+            time.sleep(0.01)
+        assert self.saw_503, f"health never said 503:\n{self.log_path.read_text()[-3000:]}"
+        return self
 
     def client(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 300), **kw)

@@ -60,6 +60,15 @@ def test_health_is_503_until_the_model_is_ready_and_sigterm_exits_cleanly(start_
     assert last["meta_info"]["finish_reason"]["type"] in ("length", "abort")
 
 
+def test_sigterm_while_the_model_loads_stops_the_load_and_exits_0(start_server, model_path):
+    """The load stops at its next layer and the server exits 0 (its thread, killed at exit inside a kernel, had
+    aborted the process: "terminate called without an active exception", exit 134)."""
+    proc = start_server().wait_loading()
+    assert proc.stop(signal.SIGTERM) == 0
+    log = proc.log_path.read_text()
+    assert "stopped the model's load" in log and "terminate called" not in log
+
+
 def test_a_model_that_fails_to_load_exits_1_with_its_error(tmp_path, start_server):
     """As vLLM, SGLang and llama-server do, and as process managers expect."""
     bad = tmp_path / "truncated.gguf"
