@@ -182,6 +182,18 @@ class PagePool:
             self.hits += 1
         return pages
 
+    def cached_prefix_pages(self, tokens: Sequence[int], namespace: int = 0) -> int:
+        """How many pages :meth:`match_prefix` would hold for ``tokens``, holding none."""
+        if not self.prefix_caching:
+            return 0
+        ps, parent, count = self.page_size, root_of(namespace), 0
+        for i in range((len(tokens) - 1) // ps):
+            page = self._page_of_key.get((parent, tuple(tokens[i * ps : (i + 1) * ps])))
+            if page is None:
+                break
+            parent, count = self._node_of_page[page], count + 1
+        return count
+
     def register(self, pages: Sequence[int], tokens: Sequence[int], already: int, namespace: int = 0) -> int:
         """Offer the full pages ``pages[already:]`` (spelling ``tokens`` in ``namespace``) to the prefix cache.
 

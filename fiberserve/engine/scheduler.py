@@ -9,7 +9,11 @@ Policy, in the order :meth:`Scheduler.next_flight` applies it:
 2. Waiting sequences are admitted in arrival order while the budget, the cap
    on running sequences (``max_running``) and free pages allow; their prompt
    prefix is first matched against the prefix cache.  Admission never
-   preempts anyone: new work waits for pages.
+   preempts anyone: new work waits for pages.  A waiting sequence whose next
+   uncached page of prompt a running sequence of its adapter is computing
+   waits for that page to be cached rather than compute it again, and later
+   arrivals may pass it meanwhile (SGLang's in-batch prefix caching: a burst
+   of requests with one system prompt computes it once).
 3. A running sequence that needs a page when none is left preempts the most
    recently arrived running sequence that is not in the air (it loses the
    least work; its full pages stay in the prefix cache, so its recompute is
@@ -95,12 +99,17 @@ class Scheduler:
                 break
             if seq.status is Status.RUNNING:  # an earlier reservation may have preempted it
                 budget -= self._board(seq, budget, items, may_preempt=True)
+        passed: list[Sequence] = []  # waiting for a page of their prompt that a running prefill computes
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
+            if self._prefix_being_computed(seq):
+                passed.append(self.waiting.popleft())
+                continue
             if not self._admit(seq):
                 break  # FIFO: later arrivals do not overtake one waiting for pages
             self.waiting.popleft()
             budget -= self._board(seq, budget, items, may_preempt=False)
+        self.waiting.extendleft(reversed(passed))
         if not items:
             return None
         flight = Flight(items)
@@ -109,6 +118,24 @@ class Scheduler:
             flight.steps = self.multi_step.steps(items, anyone_waiting=bool(self.waiting))
         self.multi_step.took_off(flight)
         return flight
+
+    def _prefix_being_computed(self, seq: Sequence) -> bool:
+        """Whether a running sequence under ``seq``'s adapter will cache the first full page of ``seq``'s prompt
+        that the prefix cache lacks (it has the same tokens up to that page's end and has not cached it yet)."""
+        if seq.computes_whole_prompt or not self.pages.prefix_caching:
+            return False
+        cached = self.pages.cached_prefix_pages(seq.tokens, seq.adapter_uid)
+        end = (cached + 1) * self.pages.page_size
+        if end >= seq.num_tokens:  # no full page is left to share: the last token is always computed
+            return False
+        prefix = seq.token_slice(0, end)
+        return any(
+            other.adapter_uid == seq.adapter_uid
+            and other.registered_pages <= cached
+            and other.num_tokens >= end
+            and other.token_slice(0, end) == prefix
+            for other in self.running
+        )
 
     def _admit(self, seq: Sequence) -> bool:
         # A prompt being scored (or mean-pooled) is computed whole: cached pages would skip rows it needs.

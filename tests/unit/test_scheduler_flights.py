@@ -59,7 +59,7 @@ def test_steps_stop_where_the_free_pages_end_and_nobody_is_preempted():
 
 def test_steps_land_in_order_a_new_arrival_halts_the_flight_and_a_stop_waits_for_landing():
     scheduler = Scheduler(PagePool(64, page_size=4), max_running=16, max_batch_tokens=64, decode_steps=8)
-    a, b = sequence(SamplingParams(max_new_tokens=20, temperature=0, stop=["xy"])), sequence()
+    a, b = sequence(SamplingParams(max_new_tokens=20, temperature=0, stop=["xy"])), sequence(prompt="world")
     decoding(scheduler, a, b)
     flight = scheduler.next_flight()
     items = flight.items

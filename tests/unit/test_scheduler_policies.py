@@ -49,6 +49,28 @@ def test_admission_waits_for_pages_and_never_preempts():
     scheduler.check_integrity()
 
 
+def test_a_prompt_page_that_a_running_prefill_computes_is_waited_for_and_later_arrivals_pass():
+    """A burst of prompts with one system prompt computes its pages once (policy 2)."""
+    scheduler = Scheduler(PagePool(64, page_size=4), max_running=16, max_batch_tokens=64)
+    first, second, third = (sequence(prompt=p, arrival=i) for i, p in enumerate(["system:a", "system:b", "hi"]))
+    for seq in (first, second, third):
+        scheduler.add(seq)
+    flight = scheduler.next_flight()
+    assert [item.seq for item in flight.items] == [first, third]  # second shares first's page "syst"
+    assert list(scheduler.waiting) == [second] and second.status is Status.WAITING
+    land(scheduler, flight, [ord("!"), ord("!")])
+    flight = scheduler.next_flight()
+    late = flight.items[-1]
+    assert late.seq is second and late.start == 4 and second.cached_tokens == 4  # the page, from the cache
+    land(scheduler, flight, [ord("!")] * 3)
+    alone = Scheduler(PagePool(64, page_size=4), max_running=16, max_batch_tokens=64)
+    for seq in (sequence(prompt="system:a"), sequence(prompt="other:b")):  # nothing shared: both at once
+        alone.add(seq)
+    assert len(alone.next_flight().items) == 2
+    scheduler.check_integrity()
+    alone.check_integrity()
+
+
 def test_long_prompts_are_prefilled_in_chunks_under_the_budget_while_decodes_keep_flowing():
     budget = 8
     scheduler = Scheduler(PagePool(64, page_size=4), max_running=16, max_batch_tokens=budget)
