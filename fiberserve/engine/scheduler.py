@@ -120,18 +120,21 @@ class Scheduler:
         return flight
 
     def _prefix_being_computed(self, seq: Sequence) -> bool:
-        """Whether a running sequence under ``seq``'s adapter will cache the first full page of ``seq``'s prompt
-        that the prefix cache lacks (it has the same tokens up to that page's end and has not cached it yet)."""
+        """Whether a running sequence under ``seq``'s adapter computes the first full page of ``seq``'s prompt
+        that the prefix cache lacks next, and will cache it: it has the same tokens up to that page's end, has
+        computed and cached exactly the pages before it (a sequence whose chain of cached pages broke caches no
+        more, so nobody waits for it)."""
         if seq.computes_whole_prompt or not self.pages.prefix_caching:
             return False
+        ps = self.pages.page_size
         cached = self.pages.cached_prefix_pages(seq.tokens, seq.adapter_uid)
-        end = (cached + 1) * self.pages.page_size
+        end = (cached + 1) * ps
         if end >= seq.num_tokens:  # no full page is left to share: the last token is always computed
             return False
         prefix = seq.token_slice(0, end)
         return any(
             other.adapter_uid == seq.adapter_uid
-            and other.registered_pages <= cached
+            and other.registered_pages == other.num_computed // ps == cached
             and other.num_tokens >= end
             and other.token_slice(0, end) == prefix
             for other in self.running

@@ -71,6 +71,20 @@ def test_a_prompt_page_that_a_running_prefill_computes_is_waited_for_and_later_a
     alone.check_integrity()
 
 
+def test_nobody_waits_for_a_sequence_that_caches_no_more_pages():
+    scheduler = Scheduler(PagePool(64, page_size=4), max_running=16, max_batch_tokens=64)
+    first = sequence(prompt="system:x")
+    decoding(scheduler, first)
+    scheduler.abort(first)  # its pages "syst" and "em:x" stay cached
+    scorer = sequence(SamplingParams(max_new_tokens=20, temperature=0, prompt_logprobs=0), "system:a")
+    decoding(scheduler, scorer)  # computes its whole prompt: its own "syst" is private, and so is all after it
+    late = sequence(prompt="system:ab")
+    scheduler.add(late)
+    flight = scheduler.next_flight()
+    assert late in [item.seq for item in flight.items] and late.cached_tokens == 4
+    scheduler.check_integrity()
+
+
 def test_long_prompts_are_prefilled_in_chunks_under_the_budget_while_decodes_keep_flowing():
     budget = 8
     scheduler = Scheduler(PagePool(64, page_size=4), max_running=16, max_batch_tokens=budget)
