@@ -148,10 +148,10 @@ def main(argv: list[str] | None = None) -> int:
             from fiberserve.cluster.ray_serve import run_cluster
 
             return run_cluster(config)
-        from fiberserve.startup import configure_logging, load_in_background
+        from fiberserve.startup import BackgroundLoad, configure_logging
 
         configure_logging(config.log_level)
-        loading = load_in_background(config.engine)  # on its own core while the web framework is imported
+        loading = BackgroundLoad(config.engine)  # on its own core while the web framework is imported
         from fiberserve.server import run_server
 
         return run_server(config, loading)

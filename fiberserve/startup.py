@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from fiberserve.config import EngineConfig
     from fiberserve.engine import LlmService
 
+log = logging.getLogger(__name__)
+
 #: The format of the server's log lines (the access log's too).
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -30,7 +32,7 @@ def configure_logging(level: str) -> None:
 class BackgroundLoad:
     """:meth:`.LlmService.load` of a config running on a daemon thread: ``future`` holds the service or the
     load's exception.  The thread must end before the interpreter does (killed at exit inside a kernel, it would
-    abort the process), so a server that exits while it loads calls :meth:`stop`."""
+    abort the process), so a server that exits while it loads cancels :meth:`service`."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.future: Future[LlmService] = Future()
@@ -46,17 +48,17 @@ class BackgroundLoad:
         except BaseException as exc:  # the server reports it; nothing is raised on this thread
             self.future.set_exception(exc)
 
-    async def stop(self) -> None:
-        """Ask the load to stop at its next layer and wait until its thread has ended (a service it finished
-        meanwhile is dropped: it never started)."""
+    async def service(self) -> LlmService:
+        """The loaded service, or the load's exception.  Cancelled (the server exits while it loads), it asks the
+        load to stop at its next layer and waits until the thread has ended before it re-raises."""
         import asyncio
         import contextlib
 
-        self._stop.set()
-        with contextlib.suppress(Exception):  # LoadStopped, or the load's own error: the server exits either way
-            await asyncio.wrap_future(self.future)
-
-
-def load_in_background(config: EngineConfig) -> BackgroundLoad:
-    """The load of ``config``, begun on its own thread."""
-    return BackgroundLoad(config)
+        try:
+            return await asyncio.wrap_future(self.future)
+        except asyncio.CancelledError:
+            self._stop.set()
+            with contextlib.suppress(Exception):  # LoadStopped, or the load's own error: the server exits anyway
+                await asyncio.wrap_future(self.future)
+            log.info("stopped the model's load: the server is exiting")
+            raise

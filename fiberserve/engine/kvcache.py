@@ -165,34 +165,29 @@ class PagePool:
         """
         if not self.prefix_caching:
             return []
-        ps = self.page_size
         self.queries += 1
-        pages: list[int] = []
-        parent = root_of(namespace)
-        for i in range((len(tokens) - 1) // ps):
-            page = self._page_of_key.get((parent, tuple(tokens[i * ps : (i + 1) * ps])))
-            if page is None:
-                break
+        pages = self._cached_chain(tokens, namespace)
+        for page in pages:
             if self._refs[page] == 0:
                 del self._lru[page]
             self._refs[page] += 1
-            pages.append(page)
-            parent = self._node_of_page[page]
         if pages:
             self.hits += 1
         return pages
 
     def cached_prefix_pages(self, tokens: Sequence[int], namespace: int = 0) -> int:
         """How many pages :meth:`match_prefix` would hold for ``tokens``, holding none."""
-        if not self.prefix_caching:
-            return 0
-        ps, parent, count = self.page_size, root_of(namespace), 0
+        return len(self._cached_chain(tokens, namespace)) if self.prefix_caching else 0
+
+    def _cached_chain(self, tokens: Sequence[int], namespace: int) -> list[int]:
+        ps, parent, pages = self.page_size, root_of(namespace), []
         for i in range((len(tokens) - 1) // ps):
             page = self._page_of_key.get((parent, tuple(tokens[i * ps : (i + 1) * ps])))
             if page is None:
                 break
-            parent, count = self._node_of_page[page], count + 1
-        return count
+            pages.append(page)
+            parent = self._node_of_page[page]
+        return pages
 
     def register(self, pages: Sequence[int], tokens: Sequence[int], already: int, namespace: int = 0) -> int:
         """Offer the full pages ``pages[already:]`` (spelling ``tokens`` in ``namespace``) to the prefix cache.

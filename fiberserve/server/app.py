@@ -37,7 +37,7 @@ from fiberserve.server.errors import (
 from fiberserve.server.metrics import Metrics
 from fiberserve.server.middleware import WEBUI_PATH, GuardMiddleware
 from fiberserve.server.state import ServerState
-from fiberserve.startup import BackgroundLoad, configure_logging, load_in_background
+from fiberserve.startup import BackgroundLoad, configure_logging
 
 log = logging.getLogger("fiberserve.server")
 
@@ -52,7 +52,7 @@ def create_app(
     loading: BackgroundLoad | None = None,
 ) -> FastAPI:
     """The app; loads the model in the background unless ``service`` is given, or takes it from ``loading`` (a
-    load begun earlier, :func:`.startup.load_in_background`); ``/health`` says 503 meanwhile.  A load that fails
+    load begun earlier, :class:`.startup.BackgroundLoad`); ``/health`` says 503 meanwhile.  A load that fails
     calls ``on_load_failure`` unless ``config.stay_up_on_load_failure``."""
     state = ServerState(config)
     metrics = state.metrics = Metrics(state)
@@ -109,13 +109,7 @@ async def _load(
 ) -> None:
     try:
         if service is None:
-            loading = loading or load_in_background(state.config.engine)
-            try:
-                service = await asyncio.wrap_future(loading.future)
-            except asyncio.CancelledError:
-                await loading.stop()
-                log.info("stopped the model's load: the server is exiting")
-                raise
+            service = await (loading or BackgroundLoad(state.config.engine)).service()
         await service.start()
     except asyncio.CancelledError:
         raise
