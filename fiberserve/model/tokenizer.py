@@ -10,6 +10,7 @@ so the result is saved under the cache directory and reused.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -193,19 +194,41 @@ def tokenizer_cache(model_path: str | Path, cache_dir: str | Path | None) -> Pat
     return Path(cache_dir) / "tokenizers" / _cache_key(path) if cache_dir and not path.is_dir() else None
 
 
+#: Class names a saved tokenizer's config may give for transformers' fast tokenizer over ``tokenizer.json`` alone.
+_PLAIN_FAST_TOKENIZERS = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+
+
+def _saved_tokenizer_class(saved: Path) -> Any:
+    """The class ``AutoTokenizer`` picks for a tokenizer saved in ``saved``: transformers' plain fast tokenizer
+    imported by name where the config names it, which spares the import of every model's tokenizer module that
+    ``AutoTokenizer`` makes (most of the tokenizer's load)."""
+    try:
+        named = json.loads((saved / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        named = None
+    if named in _PLAIN_FAST_TOKENIZERS:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
+
+
 def load_tokenizer(model_path: str | Path, cache_dir: str | Path | None, extra_eos_ids=()) -> Tokenizer:
     """The tokenizer of a GGUF file (cached under ``cache_dir``) or a Hugging Face directory."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     path = Path(model_path)
-    if path.is_dir():
-        return Tokenizer(AutoTokenizer.from_pretrained(str(path)), extra_eos_ids)
     saved = tokenizer_cache(path, cache_dir)
     if saved is not None and (saved / "tokenizer.json").is_file():
-        return Tokenizer(AutoTokenizer.from_pretrained(str(saved)), extra_eos_ids)
+        return Tokenizer(_saved_tokenizer_class(saved).from_pretrained(str(saved)), extra_eos_ids)
+    from transformers import AutoTokenizer
+
+    if path.is_dir():
+        return Tokenizer(AutoTokenizer.from_pretrained(str(path)), extra_eos_ids)
     hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if saved is not None:
         try:

@@ -142,12 +142,14 @@ def test_llama_cpp_s_gguf_adapter_gives_the_peft_adapter_s_logits(tiny_dirs, tmp
     )
 
 
+@pytest.mark.parametrize("second_targets", [EVERY_TARGET, ["v_proj", "gate_proj"]], ids=["every", "gate-not-up"])
 @pytest.mark.parametrize("quantization", ["int4", "none"])
-def test_mixed_adapters_in_one_batch_keep_every_row_s_bits(tmp_path, quantization):
+def test_mixed_adapters_in_one_batch_keep_every_row_s_bits(tmp_path, quantization, second_targets):
     """A flight of sequences under two adapters and the base model, prefill chunks beside decode tokens: each
     row's logits are the bits it gets alone (the base alone runs the C++ layer loop with no LoRA), the C++ loop
     adds the adapters as the Python loop does, bit for bit (the gate/up additions in the gated int4 or bf16
-    kernel's epilogue), and an adapter of scale 0 gives the base model's bits."""
+    kernel's epilogue, whose buffer is written where the adapters add to both gate and up, zeroed first where one
+    adds to gate only), and an adapter of scale 0 gives the base model's bits."""
     from fiberserve import kernels
     from fiberserve.model.linear import quant_kernel_available
 
@@ -157,8 +159,12 @@ def test_mixed_adapters_in_one_batch_keep_every_row_s_bits(tmp_path, quantizatio
     if quantization == "none" and not kernels.bf16_gemm_available():
         pytest.skip("the bf16 products need AVX512-BF16 or AVX2")
     base = write_hf(tmp_path / "m", TINY, random_weights(TINY))
-    for name, seed, alpha in (("one", 1, 16), ("two", 2, 8), ("zero", 3, 0)):
-        write_peft_adapter(base, tmp_path / name, 8, alpha, EVERY_TARGET, seed)
+    for name, seed, alpha, targets in (
+        ("one", 1, 16, EVERY_TARGET),
+        ("two", 2, 8, second_targets),
+        ("zero", 3, 0, EVERY_TARGET),
+    ):
+        write_peft_adapter(base, tmp_path / name, 8, alpha, targets, seed)
     dtype = torch.bfloat16 if quantization == "none" or kernels.bf16_gemm_available() else torch.float32
     model = LlamaModel(load_checkpoint(base), dtype, quantization=quantization)
     assert model.native_layers is not None

@@ -105,8 +105,12 @@ class LoraAdditions {
       for (int64_t i = 0; i < group.rows.size(0); ++i) is_adapted[group_rows[i]] = true;
     }
     const int64_t features = linear.gated_features(slot);
-    at::Tensor added = at::zeros({rows, 2 * features}, x.options().dtype(at::kFloat));  // gate, then up columns
-    lora_add_groups(added, x, adding);
+    // Gate, then up columns: written without a first zeroing where every group's parts cover both.
+    const bool write = std::all_of(adding.begin(), adding.end(),
+                                   [&](const LoraGroup& g) { return covers_every_column(g.parts, 2 * features); });
+    const at::TensorOptions options = x.options().dtype(at::kFloat);
+    at::Tensor added = write ? at::empty({rows, 2 * features}, options) : at::zeros({rows, 2 * features}, options);
+    lora_add_groups(added, x, adding, write);
     const float* gate = added.data_ptr<float>();
     const GatedAdd add{gate, gate + features, 2 * features, is_adapted};
     return linear.product(x, linear.first[slot], dtype, /*gated=*/true, prefetch, add);

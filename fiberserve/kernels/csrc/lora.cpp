@@ -33,9 +33,9 @@ namespace fiberserve {
 namespace {
 
 constexpr int kChains = 4;  // coordinates, or panels of 16 output columns, summed at once for each row of a tile
-// How far ahead of its reads the pass asks for A's rows (elements) and B^T's panels (calls of add_panels): the
+// How far ahead of its reads the pass asks for B^T's panels (calls of add_panels); A's rows are asked for a chunk
+// of rank rows ahead (the rows of A are short: a distance within a row would leave most of it unasked).  The
 // loads it has in flight alone leave memory idle between them.
-constexpr int64_t kRowAhead = 512;
 constexpr int64_t kPanelsAhead = 2;
 // Rows that share each load of A and B^T (AVX2's 16 registers hold one row's sums only).
 #if defined(__AVX512F__)
@@ -86,7 +86,7 @@ void coordinates_of(const in_t* const (&input)[T], const LowRank<in_t>& w, int64
         __m512bh in[T];
         for (int t = 0; t < T; ++t) in[t] = (__m512bh)_mm512_loadu_si512(input[t] + k);
         for (int c = 0; c < C; ++c) {
-          __builtin_prefetch(a + c * w.width + k + kRowAhead);
+          __builtin_prefetch(a + (C + c) * w.width + k);
           const __m512bh weight = (__m512bh)_mm512_loadu_si512(a + c * w.width + k);
           for (int t = 0; t < T; ++t) pairs[t][c] = _mm512_dpbf16_ps(pairs[t][c], in[t], weight);
         }
@@ -103,7 +103,7 @@ void coordinates_of(const in_t* const (&input)[T], const LowRank<in_t>& w, int64
     f32x16 in[T];
     for (int t = 0; t < T; ++t) in[t] = load16(input[t] + k);
     for (int c = 0; c < C; ++c) {
-      __builtin_prefetch(a + c * w.width + k + kRowAhead);
+      __builtin_prefetch(a + (C + c) * w.width + k);
       const f32x16 weight = load16(a + c * w.width + k);
       for (int t = 0; t < T; ++t) sums[t][c] += in[t] * weight;
     }
@@ -111,8 +111,9 @@ void coordinates_of(const in_t* const (&input)[T], const LowRank<in_t>& w, int64
   round_coordinates<T, C, in_t>(sums, w.rank, r, coordinates);
 }
 
-// Adds C panels of 16 columns from `column` of one part (its B^T panels at b, rank rows first .. last) to T rows.
-template <int T, int C, typename in_t, typename out_t>
+// Adds C panels of 16 columns from `column` of one part (its B^T panels at b, rank rows first .. last) to T rows,
+// or writes them there (Write: the rows' old values are never read).
+template <bool Write, int T, int C, typename in_t, typename out_t>
 void add_panels(out_t* const (&target)[T], const float* coordinates, int64_t rank, const in_t* b, int64_t first,
                 int64_t last, int64_t column) {
   const int64_t panel = (last - first) * kLanes;  // elements of one panel
@@ -133,7 +134,10 @@ void add_panels(out_t* const (&target)[T], const float* coordinates, int64_t ran
   for (int t = 0; t < T; ++t)
     for (int c = 0; c < C; ++c) {
       out_t* o = target[t] + column + c * kLanes;
-      store16(o, load16(o) + added[t][c]);
+      if constexpr (Write)
+        store16(o, added[t][c]);
+      else
+        store16(o, load16(o) + added[t][c]);
     }
 }
 
@@ -154,7 +158,7 @@ void for_tiles(int64_t count, F&& step) {
 
 // The addition to `count` rows of one group: each chunk of A (kChains rank rows) and of B^T (kChains panels) is
 // read from memory once and serves every tile of the rows while it is in cache; every load serves a tile's rows.
-template <typename in_t, typename out_t>
+template <bool Write, typename in_t, typename out_t>
 void add_rows(out_t* out, int64_t out_stride, const in_t* x, int64_t x_stride, const int64_t* rows, int64_t count,
               const LowRank<in_t>& w, float* coordinates) {
   auto coordinates_from = [&](int64_t r, auto chains) {
@@ -176,7 +180,7 @@ void add_rows(out_t* out, int64_t out_stride, const in_t* x, int64_t x_stride, c
         constexpr int T = decltype(tile)::value;
         out_t* target[T];
         for (int t = 0; t < T; ++t) target[t] = out + rows[first + t] * out_stride + part[0];
-        add_panels<T, decltype(chains)::value>(target, coordinates + first * w.rank, w.rank, b, part[2], part[3],
+        add_panels<Write, T, decltype(chains)::value>(target, coordinates + first * w.rank, w.rank, b, part[2], part[3],
                                                column);
       });
     };
@@ -192,7 +196,7 @@ struct Unit {
   int64_t first, count;
 };
 
-template <typename in_t, typename out_t>
+template <bool Write, typename in_t, typename out_t>
 void add_groups(at::Tensor& out, const at::Tensor& x, const std::vector<LoraGroup>& groups) {
   std::vector<LowRank<in_t>> weights;
   int64_t rows = 0, max_rank = 0, max_work = 1;
@@ -232,7 +236,7 @@ void add_groups(at::Tensor& out, const at::Tensor& x, const std::vector<LoraGrou
     std::vector<float> coordinates(most * max_rank);
     for (int64_t i = begin; i < end; ++i)
       for (const Unit& u : share[i])
-        add_rows(out_data, out_stride, x_data, x_stride, groups[u.group].rows.data_ptr<int64_t>() + u.first, u.count,
+        add_rows<Write>(out_data, out_stride, x_data, x_stride, groups[u.group].rows.data_ptr<int64_t>() + u.first, u.count,
                  weights[u.group], coordinates.data());
   });
 }
@@ -249,7 +253,19 @@ void with_output_type(at::ScalarType type, const char* op, F&& run) {
 
 }  // namespace
 
-void lora_add_groups(at::Tensor& out, const at::Tensor& x, const std::vector<LoraGroup>& groups) {
+bool covers_every_column(c10::IntArrayRef parts, int64_t columns) {
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  for (size_t p = 0; p + 4 < parts.size(); p += 5) spans.emplace_back(parts[p], parts[p + 1]);
+  std::sort(spans.begin(), spans.end());
+  int64_t covered = 0;
+  for (const auto& [start, end] : spans) {
+    if (start != covered) return false;
+    covered = end;
+  }
+  return covered == columns;
+}
+
+void lora_add_groups(at::Tensor& out, const at::Tensor& x, const std::vector<LoraGroup>& groups, bool write) {
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && x.dim() == 2 && x.stride(1) == 1 && x.size(0) == out.size(0),
               "lora_add: out and x must be [rows, features] with packed rows");
   TORCH_CHECK(x.size(1) % kLanes == 0, "lora_add: the input width must be a multiple of 16");
@@ -271,10 +287,15 @@ void lora_add_groups(at::Tensor& out, const at::Tensor& x, const std::vector<Lor
                       parts[p + 4] >= 0 &&
                       parts[p + 4] + (parts[p + 3] - parts[p + 2]) * (parts[p + 1] - parts[p]) <= bt.numel(),
                   "lora_add: part ", p / 5, " does not fit out, a and bt");
+    TORCH_CHECK(!write || covers_every_column(parts, out.size(1)),
+                "lora_add: writing, each group's parts must cover out's columns once");
   }
   auto with_output = [&](auto input_zero) {
     with_output_type(out.scalar_type(), "lora_add", [&](auto output_zero) {
-      add_groups<decltype(input_zero), decltype(output_zero)>(out, x, groups);
+      if (write)
+        add_groups<true, decltype(input_zero), decltype(output_zero)>(out, x, groups);
+      else
+        add_groups<false, decltype(input_zero), decltype(output_zero)>(out, x, groups);
     });
   };
   switch (x.scalar_type()) {

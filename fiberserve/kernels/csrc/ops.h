@@ -116,8 +116,13 @@ struct LoraGroup {
   c10::IntArrayRef parts;  // (start, end, first, last, offset) per part
 };
 
-// out[rows] += each group's adapter's low-rank product of x[rows], in place, every group in one parallel pass.
-void lora_add_groups(at::Tensor& out, const at::Tensor& x, const std::vector<LoraGroup>& groups);
+// out[rows] += each group's adapter's low-rank product of x[rows], in place, every group in one parallel pass;
+// `write`: out[rows] = the product instead (each group's parts must cover out's columns once, covers_every_column),
+// so out's other values are never read.
+void lora_add_groups(at::Tensor& out, const at::Tensor& x, const std::vector<LoraGroup>& groups, bool write = false);
+
+// Whether parts (start, end, first, last, offset) cover columns 0 .. `columns` once, end to end.
+bool covers_every_column(c10::IntArrayRef parts, int64_t columns);
 
 // lora_add_groups from lists: per group its rows, a and bt, and in `layout` its count of parts, then the parts.
 void lora_add(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor>& rows,
