@@ -162,6 +162,7 @@ def run_server(config: ServerConfig, loading: BackgroundLoad | None = None) -> i
         port=config.port,
         log_level=config.log_level,
         access_log=False,
+        ws="none",  # no route speaks WebSocket: uvicorn need not import a WebSocket implementation at start
         timeout_graceful_shutdown=config.shutdown_timeout,  # type: ignore[arg-type]  # uvicorn takes fractions too
     )
     server = GracefulServer(uvicorn_config)

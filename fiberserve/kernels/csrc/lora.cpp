@@ -180,8 +180,8 @@ void add_rows(out_t* out, int64_t out_stride, const in_t* x, int64_t x_stride, c
         constexpr int T = decltype(tile)::value;
         out_t* target[T];
         for (int t = 0; t < T; ++t) target[t] = out + rows[first + t] * out_stride + part[0];
-        add_panels<Write, T, decltype(chains)::value>(target, coordinates + first * w.rank, w.rank, b, part[2], part[3],
-                                               column);
+        add_panels<Write, T, decltype(chains)::value>(target, coordinates + first * w.rank, w.rank, b, part[2],
+                                                      part[3], column);
       });
     };
     int64_t j = 0;
@@ -236,8 +236,8 @@ void add_groups(at::Tensor& out, const at::Tensor& x, const std::vector<LoraGrou
     std::vector<float> coordinates(most * max_rank);
     for (int64_t i = begin; i < end; ++i)
       for (const Unit& u : share[i])
-        add_rows<Write>(out_data, out_stride, x_data, x_stride, groups[u.group].rows.data_ptr<int64_t>() + u.first, u.count,
-                 weights[u.group], coordinates.data());
+        add_rows<Write>(out_data, out_stride, x_data, x_stride, groups[u.group].rows.data_ptr<int64_t>() + u.first,
+                        u.count, weights[u.group], coordinates.data());
   });
 }
 
