@@ -96,7 +96,7 @@ class FiberPool:
             except asyncio.CancelledError:
                 if waiter.done() and not waiter.cancelled():
                     self._release(waiter.result())  # handed over just as we were cancelled
-                else:
+                elif waiter in self._waiters:  # a release may already have passed it over and dropped it
                     self._waiters.remove(waiter)
                 raise
         waited = time.perf_counter() - start

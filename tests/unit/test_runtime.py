@@ -256,6 +256,21 @@ async def test_waiter_cancelled_after_handover_returns_the_fiber(pool):
     assert (s.idle, s.busy, s.waiters) == (1, 0, 0)
 
 
+async def test_waiter_cancelled_then_passed_over_by_a_release_ends_cancelled(pool):
+    p = pool(1)
+    ctx = p.acquire()
+    await ctx.__aenter__()
+    w = asyncio.create_task(p._take())
+    await asyncio.sleep(0)
+    w.cancel()  # cancels w's future at once...
+    await ctx.__aexit__(None, None, None)  # ...so the release passes it over (and drops it) before w runs
+    with pytest.raises(asyncio.CancelledError):  # not the ValueError of removing a waiter twice
+        await w
+    s = p.stats()
+    assert (s.idle, s.busy, s.waiters) == (1, 0, 0)
+    p.check_integrity()
+
+
 async def test_exception_inside_acquire_returns_the_fiber(pool):
     p = pool(2)
     with pytest.raises(KeyError):
@@ -413,7 +428,8 @@ async def test_randomized_stress_keeps_every_invariant(pool, tracker):
         try:
             await t
             outcome["ok"] += 1
-        except ValueError:
+        except ValueError as error:
+            assert str(error) == "injected failure"  # only the program's own failures reach a caller
             outcome["failed"] += 1
         except asyncio.CancelledError:
             outcome["cancelled"] += 1
