@@ -317,8 +317,11 @@ class LoraRows:
         layouts = [adapter.kernel_layout for adapter, _ in self.groups]
         if any(layout is None for layout in layouts):
             return None
-        ints = [n for layout in layouts for n in layout[0]]  # type: ignore[index]
-        tensors = [t for layout in layouts for t in layout[1]]  # type: ignore[index]
+        ints: list[int] = []
+        tensors: list[torch.Tensor] = []
+        for layout in layouts:  # whole lists joined: every step of every flight does this
+            ints += layout[0]  # type: ignore[index]
+            tensors += layout[1]  # type: ignore[index]
         every_row = torch.cat([rows for _, rows in self.groups])
         return every_row, [len(rows) for _, rows in self.groups], tensors, ints
 
