@@ -242,29 +242,21 @@ async def test_cancelled_waiter_leaks_nothing(pool):
     assert (s.idle, s.busy, s.waiters) == (1, 0, 0)
 
 
-async def test_waiter_cancelled_after_handover_returns_the_fiber(pool):
+@pytest.mark.parametrize("cancelled_first", [False, True], ids=["handed-over-then-cancelled", "cancelled-first"])
+async def test_a_waiter_cancelled_around_a_release_ends_cancelled_and_leaves_the_fiber_idle(pool, cancelled_first):
+    """Handed the fiber and cancelled before it runs, the waiter gives the fiber back; cancelled first, the release
+    passes its future over (and drops it), and the waiter does not try to remove it again (no ValueError)."""
     p = pool(1)
     ctx = p.acquire()
     await ctx.__aenter__()
     w = asyncio.create_task(p._take())
     await asyncio.sleep(0)
-    await ctx.__aexit__(None, None, None)  # hands the fiber to w's future...
-    w.cancel()  # ...and w is cancelled before it runs
+    if cancelled_first:
+        w.cancel()
+    await ctx.__aexit__(None, None, None)
+    if not cancelled_first:
+        w.cancel()
     with pytest.raises(asyncio.CancelledError):
-        await w
-    s = p.stats()
-    assert (s.idle, s.busy, s.waiters) == (1, 0, 0)
-
-
-async def test_waiter_cancelled_then_passed_over_by_a_release_ends_cancelled(pool):
-    p = pool(1)
-    ctx = p.acquire()
-    await ctx.__aenter__()
-    w = asyncio.create_task(p._take())
-    await asyncio.sleep(0)
-    w.cancel()  # cancels w's future at once...
-    await ctx.__aexit__(None, None, None)  # ...so the release passes it over (and drops it) before w runs
-    with pytest.raises(asyncio.CancelledError):  # not the ValueError of removing a waiter twice
         await w
     s = p.stats()
     assert (s.idle, s.busy, s.waiters) == (1, 0, 0)
